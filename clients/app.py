@@ -1,0 +1,77 @@
+"""The fedpriv ClientApp.
+
+A SuperNode hosts the users of its partition (``partition-id`` of ``num-partitions`` in its node
+config), regenerates their data from (seed, user id), and answers each step by calling the
+registered algorithm's ``user_step`` for the whole cohort at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedpriv import protocol as P
+from fedpriv.algorithms.base import Step
+from fedpriv.cohorts import partition_users
+from fedpriv.config import RunConfig
+from fedpriv.registry import get_algorithm
+
+app = ClientApp()
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config[P.KEY_PARTITION]), int(
+            context.node_config[P.KEY_NUM_PARTITIONS]
+        )
+    except KeyError as err:
+        raise ValueError(
+            f"node config lacks {err.args[0]!r}: start the SuperNode with --node-config "
+            '"partition-id=<i> num-partitions=<N>"'
+        ) from None
+
+
+def _step(msg: Message) -> Step:
+    cfg = msg.content[P.CONFIG]
+    release = str(cfg[P.KEY_STEP_RELEASE])
+    return Step(
+        kind=str(cfg[P.KEY_STEP_KIND]),
+        index=int(cfg[P.KEY_STEP_INDEX]),
+        release=release or None,
+        clip_norm=float(cfg[P.KEY_CLIP_NORM]),
+    )
+
+
+@app.query("hello")
+def hello(msg: Message, context: Context) -> Message:
+    pid, parts = _partition(context)
+    info = ConfigRecord({P.KEY_PARTITION: pid, P.KEY_NUM_PARTITIONS: parts})
+    return Message(RecordDict({P.CONFIG: info}), reply_to=msg)
+
+
+def _answer(msg: Message, context: Context) -> Message:
+    config = RunConfig.from_mapping(context.run_config)
+    pid, parts = _partition(context)
+    users = partition_users(config.num_users, pid, parts)
+    step = _step(msg)
+    arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
+        msg.content) else {}
+    contrib = get_algorithm(config.algorithm).user_step(config, step, arrays, users)
+    metrics = {P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
+               P.KEY_PARTITION: pid}
+    for key, value in (contrib.metrics or {}).items():
+        metrics[P.METRIC_PREFIX + key] = float(value)
+    content = RecordDict({P.METRICS: MetricRecord(metrics)})
+    content[P.ARRAYS] = ArrayRecord({P.KEY_TOTAL: Array(np.asarray(contrib.total))})
+    return Message(content, reply_to=msg)
+
+
+@app.train("step")
+def step(msg: Message, context: Context) -> Message:
+    return _answer(msg, context)
+
+
+@app.evaluate("final")
+def final(msg: Message, context: Context) -> Message:
+    return _answer(msg, context)

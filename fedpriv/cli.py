@@ -1,0 +1,178 @@
+"""``fedpriv`` command line: run a config through Flower's simulation engine (or in-process).
+
+    fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
+    fedpriv algorithms
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fedpriv.cohorts import auto_num_nodes
+from fedpriv.config import ConfigError, RunConfig, default_mapping
+
+LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
+DEFAULT_LOCAL_SUPERLINK_PORT = 39091
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word is a string
+
+
+def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
+    values = default_mapping()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        with p.open("rb") as fh:
+            values.update(tomllib.load(fh))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, text = item.split("=", 1)
+        values[key.strip()] = _parse_value(text.strip())
+    return values
+
+
+def project_dir() -> Path:
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        raise SystemExit(f"fedpriv: no Flower app (pyproject.toml) next to the package at {root}; "
+                         "run from a source checkout")
+    return root
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _listening_pid(port: int) -> int | None:
+    """PID of the process listening on 127.0.0.1:port (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
+                inodes.add(cols[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def stop_local_superlink(port: int) -> None:
+    pid = _listening_pid(port)
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(50):
+        if not _port_open(port):
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+
+
+def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool) -> int:
+    port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
+    started_here = not _port_open(port)
+    nodes = auto_num_nodes(config.num_users, config.users_per_node)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_config = Path(tmp) / "run-config.toml"
+        lines = []
+        for key, value in {**values, "results-path": str(out)}.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        run_config.write_text("\n".join(lines) + "\n")
+        cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
+               "--federation-config", f"num-supernodes={nodes}"]
+        print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
+              f"({config.num_users} users)", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, check=False)
+        finally:
+            if started_here and not keep_superlink:
+                stop_local_superlink(port)
+    if proc.returncode != 0 or not out.is_file():
+        print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
+              f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedpriv.engine import run_in_process, write_results
+    from fedpriv.privacy.accounting import InfeasiblePlanError
+    from fedpriv.server import check_plan, summary_lines
+
+    try:
+        values = load_run_config(args.config, args.set or [])
+        config = RunConfig.from_mapping(values, strict=True)
+        check_plan(config)
+    except (ConfigError, InfeasiblePlanError) as err:
+        print(f"fedpriv: invalid config: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or config.results_path).expanduser().resolve()
+    if out.exists():
+        out.unlink()  # never report a stale file as this run's result
+    if args.engine == "inprocess":
+        results = run_in_process(config)
+        write_results(results, out)
+        print("\n".join(summary_lines(results)))
+        print(f"fedpriv: results written to {out}")
+        return 0
+    return run_flower(config, values, out, args.keep_superlink)
+
+
+def cmd_algorithms(_: argparse.Namespace) -> int:
+    from fedpriv.registry import available
+
+    print("\n".join(available()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fedpriv", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one experiment config")
+    run.add_argument("config", nargs="?", help="run-config TOML (flat kebab-case keys)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
+    run.add_argument("--out", help="results JSON path (default: the config's results-path)")
+    run.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
+                     help="flower: Flower simulation engine (default); inprocess: no Flower")
+    run.add_argument("--keep-superlink", action="store_true",
+                     help="leave the local SuperLink that flwr started running")
+    run.set_defaults(func=cmd_run)
+    algos = sub.add_parser("algorithms", help="list registered algorithms")
+    algos.set_defaults(func=cmd_algorithms)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

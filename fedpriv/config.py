@@ -1,0 +1,161 @@
+"""One frozen, validated config per run, parsed from a Flower run-config (kebab-case keys).
+
+Every key, its type, default and allowed range is declared once in ``FIELDS``; bad values fail in
+``RunConfig.from_mapping`` with a message that names the key and what is allowed, before any user
+is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fedpriv.data.synthetic import FEATURE_FAMILIES
+from fedpriv.privacy.accounting import ACCOUNTANTS, NEIGHBOURING_RELATIONS
+
+
+class ConfigError(ValueError):
+    """A run-config value is invalid; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str
+    kind: type
+    default: Any
+    help: str
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""
+
+
+def _positive(x: Any) -> bool:
+    return x > 0
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("algorithm", str, "private-fedrep", "registered algorithm name"),
+    Field("num-users", int, 2000, "number of users n", _positive, "an integer >= 1"),
+    Field("dim", int, 20, "feature dimension d", _positive, "an integer >= 1"),
+    Field("rank", int, 2, "embedding rank k", _positive, "an integer in [1, dim]"),
+    Field("samples-per-user", int, 10, "samples per user m", lambda x: x >= 4,
+          "an integer >= 4 (two disjoint batches from the first half)"),
+    Field("label-noise", float, 0.01, "label noise std R", lambda x: x >= 0, "a number >= 0"),
+    Field("feature-dist", str, "gaussian", "feature family", lambda x: x in FEATURE_FAMILIES,
+          f"one of {', '.join(FEATURE_FAMILIES)}"),
+    Field("epsilon", float, 1.0, "target epsilon", lambda x: x > 0 and math.isfinite(x),
+          "a finite number > 0"),
+    Field("delta", float, 1e-6, "target delta", lambda x: 0 < x < 1, "a number in (0, 1)"),
+    Field("accountant", str, "pld", "dp-accounting accountant", lambda x: x in ACCOUNTANTS,
+          f"one of {', '.join(ACCOUNTANTS)}"),
+    Field("neighbouring-relation", str, "add-remove", "user-level neighbouring relation",
+          lambda x: x in NEIGHBOURING_RELATIONS, f"one of {', '.join(NEIGHBOURING_RELATIONS)}"),
+    Field("rounds", int, 5, "rounds T", _positive, "an integer >= 1"),
+    Field("learning-rate", float, 1.0, "server step size eta", _positive, "a number > 0"),
+    Field("clip-norm", float, 0.5, "per-user gradient clip psi (Frobenius)", _positive,
+          "a number > 0"),
+    Field("init-clip-norm", float, 1.0, "per-user U-statistic clip psi_init", _positive,
+          "a number > 0"),
+    Field("init-budget-fraction", float, 0.5,
+          "share of the privacy budget (in 1/z^2 units) spent on the initialization",
+          lambda x: 0 < x < 1, "a number in (0, 1)"),
+    Field("batch-size", str, "max", "'max', 'paper' or an integer b",
+          lambda x: x in ("max", "paper") or x.isdigit(), "'max', 'paper' or an integer >= 1"),
+    Field("test-samples-per-user", int, 10, "fresh test points per user for test_mse",
+          lambda x: x >= 1, "an integer >= 1"),
+    Field("seed", int, 0, "run seed", lambda x: x >= 0, "an integer >= 0"),
+    Field("users-per-node", int, 0, "cohort size per SuperNode (0 = auto)", lambda x: x >= 0,
+          "an integer >= 0"),
+    Field("results-path", str, "results/fedpriv-results.json", "where the JSON results go"),
+    Field("node-timeout", float, 600.0, "seconds to wait for replies in a step", _positive,
+          "a number > 0"),
+)
+
+_BY_KEY = {f.key: f for f in FIELDS}
+
+
+def _coerce(field: Field, value: Any) -> Any:
+    if field.kind is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"{field.key}: expected {field.allowed or 'a string'}, got {value!r}")
+        return str(value)
+    if field.kind is int:
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and float(value).is_integer())
+        ):
+            raise ConfigError(f"{field.key}: expected {field.allowed or 'an integer'}, "
+                              f"got {value!r}")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{field.key}: expected {field.allowed or 'a number'}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Resolved settings of one run (attribute names are the keys in snake_case)."""
+
+    algorithm: str
+    num_users: int
+    dim: int
+    rank: int
+    samples_per_user: int
+    label_noise: float
+    feature_dist: str
+    epsilon: float
+    delta: float
+    accountant: str
+    neighbouring_relation: str
+    rounds: int
+    learning_rate: float
+    clip_norm: float
+    init_clip_norm: float
+    init_budget_fraction: float
+    batch_size: str
+    test_samples_per_user: int
+    seed: int
+    users_per_node: int
+    results_path: str
+    node_timeout: float
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> RunConfig:
+        """Parse and validate. Unknown keys are an error with ``strict`` (the CLI), and ignored
+        otherwise (a Flower run-config may carry keys for other components)."""
+        unknown = sorted(set(values) - set(_BY_KEY))
+        if strict and unknown:
+            raise ConfigError(f"unknown key(s) {unknown}; known keys: {sorted(_BY_KEY)}")
+        resolved: dict[str, Any] = {}
+        for field in FIELDS:
+            value = _coerce(field, values.get(field.key, field.default))
+            if field.check is not None and not field.check(value):
+                raise ConfigError(f"{field.key}: {value!r} is not allowed; expected "
+                                  f"{field.allowed}")
+            resolved[field.key.replace("-", "_")] = value
+        config = cls(**resolved)
+        config._check_relations()
+        return config
+
+    def _check_relations(self) -> None:
+        from fedpriv.registry import get_algorithm  # late import: registry imports algorithms
+
+        if self.rank > self.dim:
+            raise ConfigError(f"rank: {self.rank} is not allowed; expected rank <= dim "
+                              f"({self.dim})")
+        if self.users_per_node > self.num_users:
+            raise ConfigError(f"users-per-node: {self.users_per_node} exceeds num-users "
+                              f"({self.num_users})")
+        try:
+            algorithm = get_algorithm(self.algorithm)
+        except KeyError as err:
+            raise ConfigError(f"algorithm: {err.args[0]}") from None
+        algorithm.validate(self)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The resolved config with kebab-case keys (what goes in the results file)."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+
+def default_mapping() -> dict[str, Any]:
+    return {f.key: f.default for f in FIELDS}

@@ -1,0 +1,137 @@
+"""Synthetic shared-representation regression problems.
+
+Follows Assumptions 4-6 of Snedeker, Zhou & Bassily (2025): a ground-truth embedding ``U*``
+(d x k, orthonormal columns), a local vector ``v*_i ~ N(0, I_k)`` per user, features with zero
+mean and identity covariance from a sub-Gaussian family, and labels ``y = <x, U* v*_i> + zeta``
+with Gaussian label noise of standard deviation ``R``.
+
+A user's data is a pure function of ``(seed, user_id)``: any node regenerates exactly the users it
+hosts, whatever the cohort layout, and the same seed always gives the same problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURE_FAMILIES = ("gaussian", "rademacher", "uniform", "mixed")
+"""Sub-Gaussian feature families with identity covariance. ``mixed`` gives each user one of the
+other three, chosen from its own seed, so users have different feature distributions."""
+
+_PURE_FAMILIES = ("gaussian", "rademacher", "uniform")
+
+# Stream tags keep the draws for different purposes independent of each other.
+_STREAM_TRUTH = 0
+_STREAM_TRAIN = 1
+_STREAM_TEST = 2
+
+
+@dataclass(frozen=True)
+class SyntheticProblem:
+    """The parameters that define a synthetic personalization problem."""
+
+    num_users: int
+    dim: int
+    rank: int
+    samples_per_user: int
+    label_noise: float
+    feature_dist: str = "gaussian"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.feature_dist not in FEATURE_FAMILIES:
+            raise ValueError(
+                f"feature_dist must be one of {FEATURE_FAMILIES}, got {self.feature_dist!r}"
+            )
+        if not 1 <= self.rank <= self.dim:
+            raise ValueError(f"rank must be in [1, dim={self.dim}], got {self.rank}")
+
+
+@dataclass(frozen=True)
+class UserData:
+    """Data of a batch of users; arrays carry a leading user axis."""
+
+    user_ids: np.ndarray  # (n,)
+    features: np.ndarray  # (n, m, d)
+    labels: np.ndarray  # (n, m)
+    true_local_vectors: np.ndarray  # (n, k)
+
+    @property
+    def num_users(self) -> int:
+        return int(self.user_ids.shape[0])
+
+    def split_halves(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """``S0`` (first floor(m/2) samples, used for training the embedding) and ``S1`` (the
+        held-back rest, used only for each user's final local fit)."""
+        half = self.features.shape[1] // 2
+        return (
+            (self.features[:, :half], self.labels[:, :half]),
+            (self.features[:, half:], self.labels[:, half:]),
+        )
+
+
+def ground_truth_embedding(problem: SyntheticProblem) -> np.ndarray:
+    """``U*``: QR of a d x k standard Gaussian matrix (orthonormal columns)."""
+    rng = np.random.default_rng([problem.seed, _STREAM_TRUTH])
+    q, r = np.linalg.qr(rng.standard_normal((problem.dim, problem.rank)))
+    return q * np.sign(np.diag(r))  # a unique, Haar-distributed choice of basis
+
+
+def _draw_features(rng: np.random.Generator, family: str, shape: tuple[int, int]) -> np.ndarray:
+    if family == "gaussian":
+        return rng.standard_normal(shape)
+    if family == "rademacher":
+        return rng.integers(0, 2, size=shape).astype(np.float64) * 2.0 - 1.0
+    if family == "uniform":  # uniform on [-sqrt(3), sqrt(3)] has unit variance
+        return rng.uniform(-np.sqrt(3.0), np.sqrt(3.0), size=shape)
+    raise ValueError(f"unknown feature family {family!r}")
+
+
+def _user_family(problem: SyntheticProblem, rng: np.random.Generator) -> str:
+    if problem.feature_dist == "mixed":
+        return _PURE_FAMILIES[int(rng.integers(0, len(_PURE_FAMILIES)))]
+    return problem.feature_dist
+
+
+def _true_local_vector(problem: SyntheticProblem, user_id: int) -> np.ndarray:
+    rng = np.random.default_rng([problem.seed, _STREAM_TRUTH, 1, int(user_id)])
+    return rng.standard_normal(problem.rank)
+
+
+def generate_users(
+    problem: SyntheticProblem,
+    user_ids: np.ndarray,
+    samples: int | None = None,
+    fresh: bool = False,
+) -> UserData:
+    """Generate the data of the given users.
+
+    ``fresh=False`` gives each user's training set (``samples_per_user`` points); ``fresh=True``
+    draws new test points from the same user distributions (``samples`` of them).
+    """
+    user_ids = np.asarray(user_ids, dtype=np.int64)
+    if user_ids.size and (user_ids.min() < 0 or user_ids.max() >= problem.num_users):
+        raise ValueError(f"user ids must lie in [0, {problem.num_users}), got {user_ids}")
+    m = problem.samples_per_user if samples is None else int(samples)
+    n, d, k = user_ids.shape[0], problem.dim, problem.rank
+    u_star = ground_truth_embedding(problem)
+    features = np.empty((n, m, d))
+    noise = np.empty((n, m))
+    local_vectors = np.empty((n, k))
+    stream = _STREAM_TEST if fresh else _STREAM_TRAIN
+    for row, uid in enumerate(user_ids):
+        family_rng = np.random.default_rng([problem.seed, _STREAM_TRUTH, 2, int(uid)])
+        family = _user_family(problem, family_rng)
+        rng = np.random.default_rng([problem.seed, stream, int(uid)])
+        features[row] = _draw_features(rng, family, (m, d))
+        noise[row] = rng.standard_normal(m) * problem.label_noise
+        local_vectors[row] = _true_local_vector(problem, int(uid))
+    w_star = local_vectors @ u_star.T  # (n, d)
+    labels = np.einsum("nmd,nd->nm", features, w_star) + noise
+    return UserData(user_ids, features, labels, local_vectors)
+
+
+def true_user_models(problem: SyntheticProblem, local_vectors: np.ndarray) -> np.ndarray:
+    """``w*_i = U* v*_i`` for a batch of users, shape (n, d)."""
+    return local_vectors @ ground_truth_embedding(problem).T

@@ -1,0 +1,1 @@
+"""Mechanisms (clipping, noise) and accounting (privacy plans over dp-accounting)."""

@@ -1,0 +1,57 @@
+"""Privacy mechanisms: per-user clipping and Gaussian noise.
+
+Pure functions with explicit arguments. Noise always comes from a caller-supplied
+``numpy.random.Generator``; nothing here touches global random state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def norms(values: np.ndarray) -> np.ndarray:
+    """L2 (Frobenius) norm of each entry along the leading axis."""
+    flat = values.reshape(values.shape[0], -1)
+    return np.sqrt(np.einsum("ij,ij->i", flat, flat))
+
+
+def clip_factors(values: np.ndarray, clip_norm: float) -> np.ndarray:
+    """``min(1, clip_norm / ||values[i]||)`` per entry; exactly 1 for an all-zero entry."""
+    if clip_norm <= 0:
+        raise ValueError(f"clip_norm must be positive, got {clip_norm}")
+    n = norms(values)
+    return np.minimum(1.0, clip_norm / np.maximum(n, np.finfo(np.float64).tiny))
+
+
+def clip_by_norm(values: np.ndarray, clip_norm: float) -> np.ndarray:
+    """Scale each entry along the leading axis so its L2 norm is at most ``clip_norm``.
+
+    Returns a new array; a norm is never increased, and directions are kept.
+    """
+    factors = clip_factors(values, clip_norm)
+    return values * factors.reshape((-1,) + (1,) * (values.ndim - 1))
+
+
+def clipped_sum(values: np.ndarray, clip_norm: float) -> tuple[np.ndarray, int]:
+    """Sum of per-entry clipped values, and how many entries were actually scaled down."""
+    factors = clip_factors(values, clip_norm)
+    total = np.tensordot(factors, values, axes=(0, 0))
+    return total, int(np.count_nonzero(factors < 1.0))
+
+
+def gaussian_noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
+    """I.i.d. N(0, std^2) noise of the given shape."""
+    if std < 0:
+        raise ValueError(f"noise std must be non-negative, got {std}")
+    return rng.standard_normal(shape) * std
+
+
+def symmetric_gaussian_noise(dim: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """A symmetric d x d matrix whose upper triangle (diagonal included) is i.i.d. N(0, std^2).
+
+    Releasing the upper triangle of a symmetric statistic has L2 sensitivity at most the
+    Frobenius sensitivity of the statistic, so this noise gives the same guarantee as noising the
+    full matrix, with the output kept symmetric.
+    """
+    upper = np.triu(rng.standard_normal((dim, dim)) * std)
+    return upper + np.triu(upper, 1).T

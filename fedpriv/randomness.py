@@ -1,0 +1,48 @@
+"""Explicit, reproducible randomness.
+
+Two kinds of draws exist in a run:
+
+* Server draws (privacy noise) come from a ``numpy.random.Generator`` derived from the run seed
+  and the release index, so a release's noise does not depend on anything else that happened.
+* User draws (which samples go in which batch) must not depend on how users are spread across
+  nodes. They come from a counter-based hash of (seed, purpose, round, user id, index), computed
+  vectorized for a whole cohort.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
+    return x ^ (x >> np.uint64(31))
+
+
+def user_uniforms(
+    seed: int, purpose: int, round_index: int, user_ids: np.ndarray, count: int
+) -> np.ndarray:
+    """Uniform [0, 1) numbers, shape (len(user_ids), count), a pure function of the arguments."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.uint64(seed & 0xFFFFFFFF) << np.uint64(32) | np.uint64(purpose))
+        key = _splitmix64(key ^ np.uint64(round_index & 0xFFFFFFFFFFFF))
+        ids = _splitmix64(np.asarray(user_ids, dtype=np.uint64) ^ key)
+        counters = np.arange(count, dtype=np.uint64)
+        bits = _splitmix64(ids[:, None] * np.uint64(0x100000001B3) ^ counters[None, :])
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def user_permutations(
+    seed: int, purpose: int, round_index: int, user_ids: np.ndarray, size: int
+) -> np.ndarray:
+    """A uniformly random permutation of ``range(size)`` per user, shape (n, size)."""
+    return np.argsort(user_uniforms(seed, purpose, round_index, user_ids, size), axis=1)
+
+
+def server_generator(seed: int, release_index: int) -> np.random.Generator:
+    """The generator for the server's noise in one release."""
+    return np.random.default_rng([seed, 0x5E7, release_index])

@@ -1,0 +1,221 @@
+"""The server side of a run, free of Flower: privacy plan, node-reply checks, noise, accounting.
+
+The Flower strategy (``strategies/``) and the in-process engine (``fedpriv.engine``) both drive a
+``PrivateServer``: they only move arrays between it and the nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedpriv.algorithms.base import Step, UserContribution
+from fedpriv.cohorts import partition_users
+from fedpriv.config import RunConfig
+from fedpriv.privacy.accounting import (
+    Accountant,
+    InfeasiblePlanError,
+    calibrate_gaussian_plan,
+    mean_sensitivity,
+)
+from fedpriv.randomness import server_generator
+from fedpriv.registry import get_algorithm
+
+
+@dataclass
+class NodeReply:
+    """A node's answer to one step, as the transport received it."""
+
+    partition_id: int
+    contribution: UserContribution | None = None
+    error: str | None = None
+
+
+@dataclass
+class PrivateServer:
+    config: RunConfig
+    num_partitions: int
+    log: Callable[[str], None] = print
+    algorithm: Any = field(init=False)
+    multipliers: dict[str, float] = field(init=False)
+    accountant: Accountant = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.algorithm = get_algorithm(c.algorithm)(c)
+        self.plan = self.algorithm.privacy_plan()
+        try:
+            z = calibrate_gaussian_plan(self.plan, c.epsilon, c.delta, c.accountant,
+                                        c.neighbouring_relation)
+        except InfeasiblePlanError as err:
+            raise InfeasiblePlanError(f"refusing to start: {err}") from None
+        self.multipliers = {r.name: zi for r, zi in zip(self.plan, z, strict=True)}
+        self.accountant = Accountant(c.accountant, c.neighbouring_relation, c.delta)
+        self.rejections: Counter[str] = Counter()
+        self.bounded = 0
+        self.rounds: list[dict] = []
+        self.metrics: dict[str, float] = {}
+        self._releases = 0
+        self._hosted = {
+            p: len(partition_users(c.num_users, p, self.num_partitions))
+            for p in range(self.num_partitions)
+        }
+
+    def steps(self) -> list[Step]:
+        return self.algorithm.steps()
+
+    def payload(self, step: Step) -> dict[str, np.ndarray]:
+        return self.algorithm.broadcast(step)
+
+    # ----- checks ----------------------------------------------------------------------------
+    def _reject(self, step: Step, reply: NodeReply, reason: str) -> None:
+        self.rejections[reason] += 1
+        self.log(f"  {step.label}: rejected node (partition {reply.partition_id}): {reason}")
+
+    def _accepted(self, step: Step, replies: Sequence[NodeReply]) -> list[UserContribution]:
+        seen: set[int] = set()
+        accepted = []
+        for reply in replies:
+            contrib = reply.contribution
+            if reply.error is not None or contrib is None:
+                self._reject(step, reply, f"node error: {reply.error or 'no content'}")
+                continue
+            if reply.partition_id in seen or reply.partition_id not in self._hosted:
+                self._reject(step, reply, "duplicate or unknown partition")
+                continue
+            if contrib.num_users != self._hosted[reply.partition_id]:
+                self._reject(step, reply, f"claims {contrib.num_users} users, hosts "
+                                          f"{self._hosted[reply.partition_id]}")
+                continue
+            if step.release is not None:
+                total = np.asarray(contrib.total)
+                if total.shape != step.shape or total.dtype.kind != "f":
+                    self._reject(step, reply, f"shape/dtype {total.shape}/{total.dtype}, "
+                                              f"expected {step.shape}/float")
+                    continue
+                if not np.all(np.isfinite(total)):
+                    self._reject(step, reply, "non-finite values")
+                    continue
+            elif contrib.metrics is None or not all(
+                np.isfinite(v) for v in contrib.metrics.values()
+            ):
+                self._reject(step, reply, "missing or non-finite metrics")
+                continue
+            seen.add(reply.partition_id)
+            accepted.append(contrib)
+        return accepted
+
+    def _bounded_sum(self, step: Step, accepted: Sequence[UserContribution]) -> np.ndarray:
+        """Sum of node totals, each scaled to norm <= users * clip (the trusted-node bound)."""
+        total = np.zeros(step.shape)
+        for contrib in accepted:
+            bound = contrib.num_users * step.clip_norm
+            norm = float(np.linalg.norm(contrib.total))
+            if norm > bound * (1.0 + 1e-9):
+                self.bounded += 1
+                total += contrib.total * (bound / norm)
+            else:
+                total += contrib.total
+        return total
+
+    # ----- one step --------------------------------------------------------------------------
+    def aggregate(self, step: Step, replies: Sequence[NodeReply], started: float) -> dict:
+        c = self.config
+        accepted = self._accepted(step, replies)
+        users = sum(a.num_users for a in accepted)
+        report: dict[str, Any] = {
+            "step": step.label,
+            "nodes_answered": len(accepted),
+            "nodes_failed": self.num_partitions - len(accepted),
+            "users_contributing": users,
+        }
+        if step.release is None:
+            keys = accepted[0].metrics.keys() if accepted else []
+            sums = {k: sum(a.metrics[k] for a in accepted) for k in keys}
+            if users == 0:
+                raise RuntimeError("no node answered the final step")
+            self.metrics = self.algorithm.finalize(sums, users)
+            report.update(self.metrics)
+        else:
+            z = self.multipliers[step.release]
+            sensitivity = mean_sensitivity(step.clip_norm, c.num_users, c.neighbouring_relation)
+            std = z * sensitivity
+            noise = self.algorithm.noise(step, std, server_generator(c.seed, self._releases))
+            self._releases += 1
+            total = self._bounded_sum(step, accepted)
+            report.update(self.algorithm.apply(step, total / c.num_users + noise))
+            report["epsilon_spent"] = self.accountant.record(step.label, z, sensitivity, std)
+            report["users_clipped"] = sum(a.num_clipped for a in accepted)
+        report["seconds"] = time.perf_counter() - started
+        self.rounds.append(report)
+        self.log(_progress_line(report, len(self.steps()), len(self.rounds)))
+        return report
+
+    def results(self, wall_time_s: float, runtime: str) -> dict:
+        c = self.config
+        return {
+            "algorithm": c.algorithm,
+            "num_users": c.num_users,
+            "runtime": runtime,
+            "num_nodes": self.num_partitions,
+            "config": c.to_mapping(),
+            "privacy": {
+                "epsilon": self.accountant.epsilon(),
+                "target_epsilon": c.epsilon,
+                "delta": c.delta,
+                "accountant": c.accountant,
+                "neighbouring_relation": c.neighbouring_relation,
+                "level": "user",
+                "noise_multipliers": self.multipliers,
+                "ledger": self.accountant.ledger,
+            },
+            "metrics": self.metrics,
+            "rounds": self.rounds,
+            "rejections": dict(self.rejections),
+            "norm_bounded_nodes": self.bounded,
+            "server_state": self.algorithm.state(),
+            "wall_time_s": wall_time_s,
+        }
+
+
+def _progress_line(report: dict, total_steps: int, done: int) -> str:
+    parts = [f"[{done}/{total_steps}] {report['step']:<9}"]
+    for key in ("epsilon_spent", "subspace_distance", "population_mse", "test_mse",
+                "local_only_mse"):
+        if key in report:
+            parts.append(f"{key}={report[key]:.4g}")
+    parts.append(f"nodes={report['nodes_answered']}")
+    if report["nodes_failed"]:
+        parts.append(f"failed={report['nodes_failed']}")
+    parts.append(f"{report['seconds']:.2f}s")
+    return "  ".join(parts)
+
+
+def summary_lines(results: dict) -> list[str]:
+    m, p = results["metrics"], results["privacy"]
+    lines = [
+        f"fedpriv: {results['algorithm']} on {results['num_users']} users "
+        f"({results['num_nodes']} nodes, {results['runtime']})",
+        f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
+        f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
+        f"test MSE {m.get('test_mse', float('nan')):.4g}",
+        f"  privacy: epsilon spent {p['epsilon']:.4f} (target {p['target_epsilon']}), "
+        f"delta {p['delta']:g}, {p['accountant'].upper()} accountant, "
+        f"{p['neighbouring_relation']} user-level",
+        f"  wall time {results['wall_time_s']:.1f}s",
+    ]
+    if results["rejections"]:
+        lines.append(f"  rejected node replies: {results['rejections']}")
+    return lines
+
+
+def check_plan(config: RunConfig) -> list[float]:
+    """Calibrate the config's privacy plan without running; raises if it cannot be met."""
+    algorithm = get_algorithm(config.algorithm)(config)
+    return calibrate_gaussian_plan(algorithm.privacy_plan(), config.epsilon, config.delta,
+                                   config.accountant, config.neighbouring_relation)

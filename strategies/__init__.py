@@ -1,0 +1,1 @@
+"""Flower strategies and the ServerApp: private aggregation and accounting over the Grid."""

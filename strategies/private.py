@@ -1,0 +1,122 @@
+"""``PrivateStrategy``: a Flower Strategy that runs any registered fedpriv algorithm.
+
+Flower's ``Strategy.start`` loop knows only train/evaluate rounds; fedpriv algorithms have an
+initialization, T rounds and a final fit, so ``run`` drives the Grid through the algorithm's steps
+while ``configure_train``/``aggregate_train`` do the per-step work. The privacy-relevant work
+(per-node bounding, rejection, noise, accounting) happens in ``fedpriv.server.PrivateServer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedpriv import protocol as P
+from fedpriv.algorithms.base import Step, UserContribution
+from fedpriv.config import RunConfig
+from fedpriv.server import NodeReply, PrivateServer, summary_lines
+
+
+def _log(text: str) -> None:
+    print(text, flush=True)
+
+
+def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
+    """Wait for the nodes, ask each its partition; returns {node id: partition id}."""
+    deadline = time.monotonic() + timeout
+    expected = None
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if nodes:
+            msgs = [Message(RecordDict({}), dst_node_id=n, message_type=P.MSG_HELLO)
+                    for n in nodes]
+            partitions: dict[int, int] = {}
+            for reply in grid.send_and_receive(msgs, timeout=timeout):
+                if reply.has_content():
+                    cfg = reply.content[P.CONFIG]
+                    partitions[reply.metadata.src_node_id] = int(cfg[P.KEY_PARTITION])
+                    expected = int(cfg[P.KEY_NUM_PARTITIONS])
+            if expected is not None and set(partitions.values()) == set(range(expected)):
+                return partitions
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(nodes)} node(s) of {expected or '?'} connected "
+                               f"after {timeout:.0f}s")
+        time.sleep(1.0)
+
+
+class PrivateStrategy(Strategy):
+    """Runs one fedpriv algorithm over a Flower Grid."""
+
+    def __init__(self, config: RunConfig, partitions: dict[int, int]) -> None:
+        self.config = config
+        self.partitions = partitions
+        self.server = PrivateServer(config, len(partitions), log=_log)
+
+    # -- per-step work, in Flower's vocabulary ------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        step: Step = self._step
+        message_type = P.MSG_STEP if step.release is not None else P.MSG_FINAL
+        content = RecordDict({P.ARRAYS: arrays, P.CONFIG: config})
+        return [Message(content, dst_node_id=n, message_type=message_type)
+                for n in self.partitions]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        node_replies = []
+        answered = set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            answered.add(node)
+            node_replies.append(self._to_node_reply(self.partitions.get(node, -1), reply))
+        for node, pid in self.partitions.items():
+            if node not in answered:
+                node_replies.append(NodeReply(pid, error="no reply before the timeout"))
+        report = self.server.aggregate(self._step, node_replies, self._started)
+        return None, MetricRecord({k: float(v) for k, v in report.items()
+                                   if isinstance(v, (int, float))})
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return []  # evaluation is the algorithm's own final step
+
+    def aggregate_evaluate(self, server_round, replies):
+        return None
+
+    def summary(self) -> None:
+        for line in summary_lines(self.server.results(0.0, "flower")):
+            _log(line)
+
+    @staticmethod
+    def _to_node_reply(pid: int, reply: Message) -> NodeReply:
+        if reply.has_error():
+            return NodeReply(pid, error=f"{reply.error.code}: {reply.error.reason}"[:300])
+        try:
+            metrics = reply.content[P.METRICS]
+            total = reply.content[P.ARRAYS][P.KEY_TOTAL].numpy()
+            extra = {k[len(P.METRIC_PREFIX):]: float(v) for k, v in metrics.items()
+                     if k.startswith(P.METRIC_PREFIX)}
+            contrib = UserContribution(total, int(metrics[P.KEY_NUM_USERS]),
+                                       int(metrics[P.KEY_NUM_CLIPPED]), extra or None)
+        except (KeyError, TypeError, ValueError) as err:
+            return NodeReply(pid, error=f"malformed reply: {err!r}"[:300])
+        return NodeReply(pid, contrib)
+
+    # -- the whole run ------------------------------------------------------------------------
+    def run(self, grid: Grid) -> dict:
+        started = time.perf_counter()
+        for number, step in enumerate(self.server.steps(), start=1):
+            self._step, self._started = step, time.perf_counter()
+            arrays = ArrayRecord({k: Array(np.asarray(v))
+                                  for k, v in self.server.payload(step).items()})
+            config = ConfigRecord({
+                P.KEY_STEP_KIND: step.kind, P.KEY_STEP_INDEX: step.index,
+                P.KEY_STEP_RELEASE: step.release or "", P.KEY_CLIP_NORM: step.clip_norm,
+            })
+            messages = list(self.configure_train(number, arrays, config, grid))
+            replies = grid.send_and_receive(messages, timeout=self.config.node_timeout)
+            self.aggregate_train(number, replies)
+        return self.server.results(time.perf_counter() - started, runtime="flower")

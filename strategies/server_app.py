@@ -1,0 +1,33 @@
+"""The fedpriv ServerApp: parse and validate the run-config, plan the privacy budget, run."""
+
+from __future__ import annotations
+
+import time
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedpriv.config import RunConfig
+from fedpriv.engine import write_results
+from fedpriv.server import summary_lines
+from strategies.private import PrivateStrategy, discover_partitions
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    started = time.perf_counter()
+    config = RunConfig.from_mapping(context.run_config)  # fails here on a bad config
+    print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
+          f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
+    partitions = discover_partitions(grid, timeout=config.node_timeout)
+    strategy = PrivateStrategy(config, partitions)
+    print("fedpriv: noise multipliers " + ", ".join(
+        f"{k}={v:.4g}" for k, v in strategy.server.multipliers.items()), flush=True)
+    results = strategy.run(grid)
+    results["wall_time_s"] = time.perf_counter() - started
+    path = write_results(results, config.results_path)
+    for line in summary_lines(results):
+        print(line, flush=True)
+    print(f"fedpriv: results written to {path}", flush=True)
