@@ -72,10 +72,13 @@ class PlannedRelease:
 
 
 def _plan_event(releases: Sequence[PlannedRelease], multipliers: Sequence[float]):
+    """The plan as the run will compose it: every release in order, one event each, so the
+    epsilon checked at calibration is exactly the one the run's accountant will report."""
     return dp_accounting.ComposedDpEvent(
         [
-            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), r.count)
+            dp_accounting.GaussianDpEvent(z)
             for r, z in zip(releases, multipliers, strict=True)
+            for _ in range(r.count)
         ]
     )
 

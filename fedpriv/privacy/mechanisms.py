@@ -20,7 +20,9 @@ def clip_factors(values: np.ndarray, clip_norm: float) -> np.ndarray:
     if clip_norm <= 0:
         raise ValueError(f"clip_norm must be positive, got {clip_norm}")
     n = norms(values)
-    return np.minimum(1.0, clip_norm / np.maximum(n, np.finfo(np.float64).tiny))
+    factors = np.ones_like(n)
+    np.divide(clip_norm, n, out=factors, where=n > clip_norm)
+    return factors
 
 
 def clip_by_norm(values: np.ndarray, clip_norm: float) -> np.ndarray:

@@ -1,0 +1,34 @@
+import pytest
+
+from fedpriv.config import ConfigError, RunConfig
+
+
+@pytest.mark.parametrize("override,key", [
+    ({"epsilon": 0}, "epsilon"),
+    ({"epsilon": -1.0}, "epsilon"),
+    ({"delta": 1.0}, "delta"),
+    ({"delta": 0.0}, "delta"),
+    ({"rank": 30, "dim": 20}, "rank"),
+    ({"samples-per-user": 3}, "samples-per-user"),
+    ({"samples-per-user": 6, "batch-size": "3"}, "batch-size"),
+    ({"algorithm": "nope"}, "algorithm"),
+    ({"feature-dist": "cauchy"}, "feature-dist"),
+    ({"accountant": "moments"}, "accountant"),
+    ({"neighbouring-relation": "swap"}, "neighbouring-relation"),
+    ({"num-users": "many"}, "num-users"),
+    ({"rounds": 2.5}, "rounds"),
+])
+def test_invalid_values_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        RunConfig.from_mapping(override)
+
+
+def test_unknown_keys_fail_in_strict_mode_only():
+    with pytest.raises(ConfigError, match="unknown key"):
+        RunConfig.from_mapping({"epsilonn": 1.0}, strict=True)
+    assert RunConfig.from_mapping({"other-component-key": 1}).epsilon == 1.0
+
+
+def test_defaults_round_trip():
+    config = RunConfig.from_mapping({})
+    assert RunConfig.from_mapping(config.to_mapping()) == config

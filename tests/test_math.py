@@ -1,0 +1,108 @@
+import numpy as np
+import pytest
+
+from fedpriv.algorithms import fedrep, private_init
+from fedpriv.algorithms.linear import least_squares, orthonormalize, subspace_distance
+from fedpriv.data import SyntheticProblem, generate_users, ground_truth_embedding
+from fedpriv.randomness import user_uniforms
+
+
+def test_orthonormalize_gives_orthonormal_columns_spanning_the_input(rng):
+    m = rng.standard_normal((8, 3))
+    q = orthonormalize(m)
+    np.testing.assert_allclose(q.T @ q, np.eye(3), atol=1e-12)
+    assert subspace_distance(q, m) < 1e-12
+
+
+def test_subspace_distance_extremes_and_invariance(rng):
+    e = np.eye(5)
+    assert subspace_distance(e[:, :2], e[:, :2]) < 1e-12
+    assert subspace_distance(e[:, :2], e[:, 2:4]) == pytest.approx(1.0)
+    u = orthonormalize(rng.standard_normal((5, 2)))
+    rotation = orthonormalize(rng.standard_normal((2, 2)))
+    assert subspace_distance(u @ rotation, u) < 1e-12
+    # one principal angle theta: distance sin(theta)
+    theta = 0.3
+    v = np.stack([np.cos(theta) * e[:, 0] + np.sin(theta) * e[:, 2], e[:, 1]], axis=1)
+    assert subspace_distance(v, e[:, :2]) == pytest.approx(np.sin(theta))
+
+
+def test_least_squares_exact_and_minimum_norm(rng):
+    design = rng.standard_normal((4, 6, 2))
+    v = rng.standard_normal((4, 2))
+    np.testing.assert_allclose(least_squares(design, np.einsum("nbk,nk->nb", design, v)), v)
+    under = rng.standard_normal((3, 1, 2))  # b = 1 < k = 2
+    y = rng.standard_normal((3, 1))
+    sol = least_squares(under, y)
+    np.testing.assert_allclose(np.einsum("nbk,nk->nb", under, sol), y, atol=1e-12)
+    # minimum norm: the solution lies in the row space of the design
+    expected = under[:, 0, :] * (y[:, 0] / (under[:, 0, :] ** 2).sum(1))[:, None]
+    np.testing.assert_allclose(sol, expected)
+
+
+def test_u_statistic_matches_brute_force_and_is_unbiased():
+    problem = SyntheticProblem(4000, 4, 1, 6, 0.1, "rademacher", seed=3)
+    data = generate_users(problem, np.arange(4000))
+    z = private_init.u_statistics(data.features, data.labels)
+    x, y = data.features[0], data.labels[0]
+    brute = sum(y[a] * y[b] * np.outer(x[a], x[b]) for a in range(6) for b in range(6) if a != b)
+    np.testing.assert_allclose(z[0], brute / 30)
+    w = data.true_local_vectors @ ground_truth_embedding(problem).T
+    expected = np.einsum("ni,nj->ij", w, w) / 4000
+    # E[Z_i] = w_i w_i^T: the population average agrees up to Monte Carlo error
+    assert np.abs(z.mean(0) - expected).max() < 0.1 * np.abs(expected).max() + 0.05
+
+
+def test_disjoint_batches_are_disjoint_deterministic_and_layout_independent():
+    ids = np.arange(50, 80)
+    first, second = fedrep.disjoint_batches(7, 2, ids, 5, 2)
+    for a, b in zip(first, second):
+        assert not set(a) & set(b) and len(set(a)) == 2
+    again_first, _ = fedrep.disjoint_batches(7, 2, ids[10:], 5, 2)
+    np.testing.assert_array_equal(first[10:], again_first)  # same user, same draw
+    other_round, _ = fedrep.disjoint_batches(7, 3, ids, 5, 2)
+    assert not np.array_equal(first, other_round)
+    u = user_uniforms(1, 1, 0, np.arange(20000), 4)
+    assert abs(u.mean() - 0.5) < 0.01 and 0 <= u.min() and u.max() < 1
+
+
+def test_embedding_gradient_matches_finite_differences_and_uses_the_other_batch(rng):
+    d, k, b = 6, 2, 4
+    u = orthonormalize(rng.standard_normal((d, k)))
+    xs, ys = rng.standard_normal((1, b, d)), rng.standard_normal((1, b))
+    xg, yg = rng.standard_normal((1, b, d)), rng.standard_normal((1, b))
+    grad = fedrep.embedding_gradients(u, xs, ys, xg, yg)[0]
+    v = least_squares(xs @ u, ys)[0]  # v fixed: solved on the first batch only
+
+    def loss(mat):
+        return np.mean((yg[0] - xg[0] @ mat @ v) ** 2)
+
+    numeric = np.zeros_like(u)
+    for i in range(d):
+        for j in range(k):
+            e = np.zeros_like(u)
+            e[i, j] = 1e-6
+            numeric[i, j] = (loss(u + e) - loss(u - e)) / 2e-6
+    np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-8)
+
+
+def test_batch_size_policies():
+    assert fedrep.resolve_batch_size("max", 10, 5, 2) == 2
+    assert fedrep.resolve_batch_size("paper", 10, 5, 2) == 1  # b = m/(2T) = 1 < k
+    assert fedrep.resolve_batch_size("paper", 10, 20, 2) == 1  # m/(2T) = 0 -> 1
+    with pytest.raises(ValueError, match="two disjoint batches"):
+        fedrep.resolve_batch_size(3, 10, 5, 2)
+
+
+def test_noiseless_fedrep_rounds_recover_the_embedding():
+    problem = SyntheticProblem(3000, 10, 2, 20, 0.01, "gaussian", seed=1)
+    data = generate_users(problem, np.arange(3000))
+    truth = ground_truth_embedding(problem)
+    (x0, y0), _ = data.split_halves()
+    stats, _ = private_init.clipped_u_statistic_sum(x0, y0, 1e9)
+    u = private_init.server_init(stats / 3000, 2)
+    start = subspace_distance(u, truth)
+    for t in range(10):
+        grads = fedrep.user_gradients(u, x0, y0, data.user_ids, 0, t, 5)
+        u = fedrep.server_update(u, grads.mean(0), 0.5)
+    assert subspace_distance(u, truth) < min(0.05, start)
