@@ -17,6 +17,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,34 @@ sys.path.insert(0, str(ROOT))
 from fedpriv.cli import load_run_config  # noqa: E402
 from fedpriv.config import RunConfig  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
+
+
+class ProcessMemorySampler(threading.Thread):
+    """Samples the RSS of every Flower and Ray process started after it (they are detached from
+    this process, so getrusage cannot see them): peak of the sum and of the largest one."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.before = set(os.listdir("/proc"))
+        self.peak_total = self.peak_single = 0.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            total = 0.0
+            for pid in set(os.listdir("/proc")) - self.before:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    if not any(t in cmd for t in (b"ray", b"flwr", b"flower", b"fedpriv")):
+                        continue
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmRSS:"):
+                            rss = int(line.split()[1]) / 1024
+                            total += rss
+                            self.peak_single = max(self.peak_single, rss)
+                except OSError:
+                    continue
+            self.peak_total = max(self.peak_total, total)
 
 
 def flower_run(sets: list[str]) -> tuple[float, dict]:
@@ -38,8 +67,14 @@ def flower_run(sets: list[str]) -> tuple[float, dict]:
     cmd = [sys.executable, "-m", "fedpriv.cli", "run", str(ROOT / "configs/private_fedrep.toml"),
            "--out", str(out)] + [a for s in sets for a in ("--set", s)]
     start = time.perf_counter()
+    sampler = ProcessMemorySampler()
+    sampler.start()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    sampler.stop.set()
+    sampler.join()
+    print(f"flower processes: peak RSS sum {sampler.peak_total:.0f} MB, largest single process "
+          f"{sampler.peak_single:.0f} MB")
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-4000:] + proc.stderr[-4000:])
     return wall, json.loads(out.read_text())
@@ -82,8 +117,7 @@ def main() -> None:
     print(f"{'in-process':<12} {in_process:>8.1f} {in_process_peak:>9.0f} "
           f"{local['metrics']['population_mse']:>15.4g} {local['privacy']['epsilon']:>8.4f}")
     print(f"flower / in-process wall-time ratio: {wall / in_process:.2f}")
-    print("(peak_MB: max RSS of this process; Ray workers of the Flower run are detached from "
-          "it and not measured)")
+    print("(peak_MB: max RSS of this process; for the Flower run see the sampled line above)")
 
 
 if __name__ == "__main__":

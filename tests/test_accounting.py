@@ -79,3 +79,12 @@ def test_sensitivity_follows_the_neighbouring_relation():
 def test_empty_accountant_reports_zero():
     assert Accountant("pld", "add-remove", 1e-6).epsilon() == 0.0
     assert np.isfinite(Accountant("rdp", "replace-one", 1e-6).record("r", 3.0, 1.0, 3.0))
+
+
+def test_replace_one_epsilon_is_the_exact_gaussian_one_at_the_stated_sensitivity():
+    """Under replace-one the released mean moves by at most 2 psi / n; a Gaussian with std
+    z * (2 psi / n) is then exactly the mechanism of the analytic formula with multiplier z."""
+    acc = Accountant("pld", "replace-one", 1e-6)
+    for _ in range(4):
+        reported = acc.record("r", 8.0, 2.0, 16.0)
+    assert reported == pytest.approx(analytic_gaussian_epsilon([8.0] * 4, 1e-6), rel=0.01)

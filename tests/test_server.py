@@ -77,3 +77,17 @@ def test_privacy_noise_is_applied_with_the_planned_std():
     assert captured[1].std() == pytest.approx(expected_round, rel=0.5)
     ledger = server.accountant.ledger
     assert [e["noise_std"] for e in ledger] == pytest.approx([expected_init, expected_round])
+
+
+def test_replace_one_doubles_the_noise_of_add_remove():
+    stds, multipliers = {}, {}
+    for relation in ("add-remove", "replace-one"):
+        server = PrivateServer(small_config(neighbouring_relation=relation), 1,
+                               log=lambda _: None)
+        init = server.steps()[0]
+        server.aggregate(init, [NodeReply(0, UserContribution(np.zeros((10, 10)), 600))], 0.0)
+        stds[relation] = server.accountant.ledger[0]["noise_std"]
+        multipliers[relation] = server.multipliers["init"]
+    # the factor 2 is in the sensitivity, once; the calibrated multiplier is the same
+    assert multipliers["replace-one"] == pytest.approx(multipliers["add-remove"])
+    assert stds["replace-one"] == pytest.approx(2 * stds["add-remove"])

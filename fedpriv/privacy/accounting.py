@@ -24,10 +24,7 @@ from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibra
 ACCOUNTANTS = ("pld", "rdp")
 NEIGHBOURING_RELATIONS = ("add-remove", "replace-one")
 
-_RELATIONS = {
-    "add-remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-    "replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,
-}
+_RELATIONS = ("add-remove", "replace-one")
 
 
 # The calibrated scale mu = 1/s is searched in this range; tiny multipliers (< 0.2) make the PLD
@@ -52,13 +49,24 @@ def mean_sensitivity(clip_norm: float, population: int, relation: str) -> float:
 
 
 def make_accountant(kind: str, relation: str) -> dp_accounting.PrivacyAccountant:
-    """A fresh dp-accounting accountant: PLD (tight, default) or RDP."""
+    """A fresh dp-accounting accountant: PLD (tight, default) or RDP.
+
+    The neighbouring relation enters through the L2 sensitivity the algorithm states (see
+    ``mean_sensitivity``): a ``GaussianDpEvent`` here has ``noise_multiplier = std / Delta`` with
+    Delta the largest distance between the released means of two neighbouring populations. The
+    privacy loss of a Gaussian whose mean moves by at most Delta is the same whatever made it move,
+    so the accountant is always built with dp-accounting's ADD_OR_REMOVE_ONE relation, whose
+    unsampled Gaussian PLD is exactly that shift. (dp-accounting's REPLACE_ONE instead models a
+    shift of 2 x the per-record bound; using it on top of a replace-one Delta would count the
+    factor 2 twice.)
+    """
     if relation not in _RELATIONS:
         raise ValueError(f"neighbouring relation must be one of {NEIGHBOURING_RELATIONS}")
+    shift = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     if kind == "pld":
-        return pld.PLDAccountant(neighboring_relation=_RELATIONS[relation])
+        return pld.PLDAccountant(neighboring_relation=shift)
     if kind == "rdp":
-        return rdp.RdpAccountant(neighboring_relation=_RELATIONS[relation])
+        return rdp.RdpAccountant(neighboring_relation=shift)
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
 
 
