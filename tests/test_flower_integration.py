@@ -68,3 +68,18 @@ def test_bad_config_fails_before_the_run_starts(tmp_path, flower_env):
                           env=flower_env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "epsilon" in proc.stderr and "Flower" not in proc.stdout
+
+
+def test_one_user_per_node_is_the_faithful_deployment(tmp_path, flower_env):
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out),
+           "--set", "num-users=12", "--set", "dim=6", "--set", "epsilon=8.0",
+           "--set", "users-per-node=1", "--set", "rounds=2"]
+    proc = subprocess.run(cmd, env=flower_env, capture_output=True, text=True, timeout=480,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["num_nodes"] == 12
+    assert all(r["nodes_answered"] == 12 and r["users_contributing"] == 12
+               for r in results["rounds"])
+    assert results["privacy"]["epsilon"] <= 8.0
