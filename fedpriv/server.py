@@ -49,11 +49,7 @@ class PrivateServer:
         c = self.config
         self.algorithm = get_algorithm(c.algorithm)(c)
         self.plan = self.algorithm.privacy_plan()
-        try:
-            z = calibrate_gaussian_plan(self.plan, c.epsilon, c.delta, c.accountant,
-                                        c.neighbouring_relation)
-        except InfeasiblePlanError as err:
-            raise InfeasiblePlanError(f"refusing to start: {err}") from None
+        z = _calibrate(c, self.plan)
         self.multipliers = {r.name: zi for r, zi in zip(self.plan, z, strict=True)}
         self.accountant = Accountant(c.accountant, c.neighbouring_relation, c.delta)
         self.rejections: Counter[str] = Counter()
@@ -185,7 +181,9 @@ class PrivateServer:
 
 def _progress_line(report: dict, total_steps: int, done: int) -> str:
     parts = [f"[{done}/{total_steps}] {report['step']:<9}"]
-    for key in ("epsilon_spent", "subspace_distance", "population_mse", "test_mse",
+    if "epsilon_spent" in report:
+        parts.append(f"epsilon_spent={report['epsilon_spent']:.4f}")
+    for key in ("subspace_distance", "population_mse", "test_mse",
                 "local_only_mse"):
         if key in report:
             parts.append(f"{key}={report[key]:.4g}")
@@ -214,8 +212,14 @@ def summary_lines(results: dict) -> list[str]:
     return lines
 
 
+def _calibrate(config: RunConfig, plan) -> list[float]:
+    try:
+        return calibrate_gaussian_plan(plan, config.epsilon, config.delta, config.accountant,
+                                       config.neighbouring_relation)
+    except InfeasiblePlanError as err:
+        raise InfeasiblePlanError(f"refusing to start: {err}") from None
+
+
 def check_plan(config: RunConfig) -> list[float]:
     """Calibrate the config's privacy plan without running; raises if it cannot be met."""
-    algorithm = get_algorithm(config.algorithm)(config)
-    return calibrate_gaussian_plan(algorithm.privacy_plan(), config.epsilon, config.delta,
-                                   config.accountant, config.neighbouring_relation)
+    return _calibrate(config, get_algorithm(config.algorithm)(config).privacy_plan())

@@ -42,15 +42,21 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_env):
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out),
-           "--set", "num-users=800", "--set", "dim=10", "--set", "epsilon=2.0",
-           "--set", "users-per-node=200", "--set", "rounds=3"]
-    proc = subprocess.run(cmd, env=flower_env, capture_output=True, text=True, timeout=480,
-                          cwd=tmp_path)
+def run_cli(env, workdir, **settings):
+    """Run `fedpriv run` (which drives `flwr run`) with key=value overrides; return the results
+    and the process output."""
+    out = workdir / "results.json"
+    cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out)]
+    for key, value in settings.items():
+        cmd += ["--set", f"{key.replace('_', '-')}={value}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480, cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc
+
+
+def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_env):
+    results, proc = run_cli(flower_env, tmp_path, num_users=800, dim=10, epsilon=2.0,
+                            users_per_node=200, rounds=3)
     assert results["runtime"] == "flower" and results["num_nodes"] == 4
     assert results["metrics"]["population_mse"] < 0.2 * results["metrics"]["local_only_mse"]
     privacy = results["privacy"]
@@ -71,14 +77,8 @@ def test_bad_config_fails_before_the_run_starts(tmp_path, flower_env):
 
 
 def test_one_user_per_node_is_the_faithful_deployment(tmp_path, flower_env):
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out),
-           "--set", "num-users=12", "--set", "dim=6", "--set", "epsilon=8.0",
-           "--set", "users-per-node=1", "--set", "rounds=2"]
-    proc = subprocess.run(cmd, env=flower_env, capture_output=True, text=True, timeout=480,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results, _ = run_cli(flower_env, tmp_path, num_users=12, dim=6, epsilon=8.0,
+                         users_per_node=1, rounds=2)
     assert results["num_nodes"] == 12
     assert all(r["nodes_answered"] == 12 and r["users_contributing"] == 12
                for r in results["rounds"])
