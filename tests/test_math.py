@@ -56,7 +56,7 @@ def test_u_statistic_matches_brute_force_and_is_unbiased():
 def test_disjoint_batches_are_disjoint_deterministic_and_layout_independent():
     ids = np.arange(50, 80)
     first, second = fedrep.disjoint_batches(7, 2, ids, 5, 2)
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert not set(a) & set(b) and len(set(a)) == 2
     again_first, _ = fedrep.disjoint_batches(7, 2, ids[10:], 5, 2)
     np.testing.assert_array_equal(first[10:], again_first)  # same user, same draw

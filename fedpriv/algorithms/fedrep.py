@@ -95,7 +95,9 @@ def user_gradients(
     )
 
 
-def server_update(embedding: np.ndarray, noisy_mean: np.ndarray, learning_rate: float) -> np.ndarray:
+def server_update(
+    embedding: np.ndarray, noisy_mean: np.ndarray, learning_rate: float
+) -> np.ndarray:
     """Algorithm 1, line 10: ``U_{t+1} = QR(U_t - eta (sum_i clip(grad_i) / n + xi))``.
 
     ``noisy_mean`` is the clipped sum divided by the population size fixed in advance (not the
