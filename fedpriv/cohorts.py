@@ -27,7 +27,7 @@ def auto_num_nodes(num_users: int, users_per_node: int) -> int:
     return max(1, min(10, num_users // 100))
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=32)  # a Ray worker may host several nodes; keep all their cohorts
 def _cached(problem: SyntheticProblem, start: int, stop: int, samples: int, fresh: bool):
     return generate_users(problem, np.arange(start, stop), samples=samples, fresh=fresh)
 
