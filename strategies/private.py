@@ -56,11 +56,14 @@ class PrivateStrategy(Strategy):
         self.config = config
         self.partitions = partitions
         self.server = PrivateServer(config, len(partitions), log=_log)
+        self._step: Step | None = None  # the step under way (set by run)
+        self._started = 0.0
 
     # -- per-step work, in Flower's vocabulary ------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        step: Step = self._step
+        step = self._step
+        assert step is not None, "configure_train runs inside run()"
         message_type = P.MSG_STEP if step.release is not None else P.MSG_FINAL
         content = RecordDict({P.ARRAYS: arrays, P.CONFIG: config})
         return [Message(content, dst_node_id=n, message_type=message_type)

@@ -184,6 +184,6 @@ class Accountant:
         return spent
 
     def epsilon(self) -> float:
-        if not self.ledger and isinstance(self._accountant.ledger, dp_accounting.NoOpDpEvent):
+        if not self.ledger:
             return 0.0
         return float(self._accountant.get_epsilon(self.delta))
