@@ -33,14 +33,7 @@ def _partition(context: Context) -> tuple[int, int]:
 
 
 def _step(msg: Message) -> Step:
-    cfg = msg.content[P.CONFIG]
-    release = str(cfg[P.KEY_STEP_RELEASE])
-    return Step(
-        kind=str(cfg[P.KEY_STEP_KIND]),
-        index=int(cfg[P.KEY_STEP_INDEX]),
-        release=release or None,
-        clip_norm=float(cfg[P.KEY_CLIP_NORM]),
-    )
+    return Step.from_json(str(msg.content[P.CONFIG][P.KEY_STEP]))
 
 
 @app.query("hello")
@@ -53,17 +46,19 @@ def hello(msg: Message, context: Context) -> Message:
 def _answer(msg: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, parts = _partition(context)
-    users = partition_users(config.num_users, pid, parts)
     step = _step(msg)
+    algorithm = get_algorithm(config.algorithm)
+    users = algorithm.participants(config, step, partition_users(config.num_users, pid, parts))
     arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
         msg.content) else {}
-    contrib = get_algorithm(config.algorithm).user_step(config, step, arrays, users)
+    contrib = algorithm.user_step(config, step, arrays, users)
     metrics = {P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
                P.KEY_PARTITION: pid}
     for key, value in (contrib.metrics or {}).items():
         metrics[P.METRIC_PREFIX + key] = float(value)
     content = RecordDict({P.METRICS: MetricRecord(metrics)})
-    content[P.ARRAYS] = ArrayRecord({P.KEY_TOTAL: Array(np.asarray(contrib.total))})
+    content[P.ARRAYS] = ArrayRecord({name: Array(np.asarray(total))
+                                     for name, total in contrib.totals.items()})
     return Message(content, reply_to=msg)
 
 

@@ -1,6 +1,7 @@
 """``fedpriv`` command line: run a config through Flower's simulation engine (or in-process).
 
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
+    fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
     fedpriv algorithms
 """
 
@@ -42,10 +43,8 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
         with p.open("rb") as fh:
             values.update(tomllib.load(fh))
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        key, text = item.split("=", 1)
-        values[key.strip()] = _parse_value(text.strip())
+        key, value = _split_override(item)
+        values[key] = value
     return values
 
 
@@ -98,7 +97,8 @@ def stop_local_superlink(port: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool) -> int:
+def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
+               quiet: bool = False) -> int:
     port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
     started_here = not _port_open(port)
     nodes = auto_num_nodes(config.num_users, config.users_per_node)
@@ -110,10 +110,13 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         run_config.write_text("\n".join(lines) + "\n")
         cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
                "--federation-config", f"num-supernodes={nodes}"]
-        print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
-              f"({config.num_users} users)", flush=True)
+        if not quiet:
+            print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
+                  f"({config.num_users} users)", flush=True)
         try:
-            proc = subprocess.run(cmd, cwd=tmp, check=False)
+            proc = subprocess.run(cmd, cwd=tmp, check=False,
+                                  stdout=subprocess.DEVNULL if quiet else None,
+                                  stderr=subprocess.DEVNULL if quiet else None)
         finally:
             if started_here and not keep_superlink:
                 stop_local_superlink(port)
@@ -148,10 +151,43 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_flower(config, values, out, args.keep_superlink)
 
 
-def cmd_algorithms(_: argparse.Namespace) -> int:
-    from fedpriv.registry import available
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from fedpriv import sweep
 
-    print("\n".join(available()))
+    try:
+        overrides = {k: v for k, v in (_split_override(item) for item in args.set or [])}
+        spec = sweep.load_sweep(args.config, overrides)
+    except ConfigError as err:
+        print(f"fedpriv: invalid sweep: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("results") / "sweeps" / spec.name).expanduser().resolve()
+    jobs = args.jobs if args.jobs > 0 else (os.cpu_count() or 1)
+    rows = sweep.run_sweep(spec, out, jobs=1 if args.engine == "flower" else jobs,
+                           engine=args.engine)
+    csv_path, json_path = sweep.write_table(rows, out)
+    figure = sweep.plot(spec, rows, out / "figure.png")
+    print(sweep.markdown_table(rows))
+    print(f"fedpriv: table {csv_path} and {json_path}; figure {figure}")
+    if args.plot:
+        target = Path(args.plot).expanduser().resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(figure.read_bytes())
+        print(f"fedpriv: figure copied to {target}")
+    return 0
+
+
+def _split_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    return key.strip(), _parse_value(text.strip())
+
+
+def cmd_algorithms(_: argparse.Namespace) -> int:
+    from fedpriv.registry import available, get_algorithm
+
+    for name in available():
+        print(f"{name:<18} {get_algorithm(name).summary}")
     return 0
 
 
@@ -168,6 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--keep-superlink", action="store_true",
                      help="leave the local SuperLink that flwr started running")
     run.set_defaults(func=cmd_run)
+    sw = sub.add_parser("sweep", help="run a grid of algorithms x epsilon x seeds; table + plot")
+    sw.add_argument("config", help="sweep TOML ([sweep], [base], [[series]]; see configs/)")
+    sw.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a run-config key of every run (e.g. num-users=2000)")
+    sw.add_argument("--out", help="output folder (default: results/sweeps/<name>)")
+    sw.add_argument("--jobs", type=int, default=0,
+                    help="runs in parallel (in-process engine; default: one per CPU)")
+    sw.add_argument("--engine", choices=("inprocess", "flower"), default="inprocess",
+                    help="inprocess (default): the same core and server without Flower's "
+                         "start-up cost; flower: every run through the simulation engine")
+    sw.add_argument("--plot", metavar="PNG", help="also copy the figure to this path")
+    sw.set_defaults(func=cmd_sweep)
     algos = sub.add_parser("algorithms", help="list registered algorithms")
     algos.set_defaults(func=cmd_algorithms)
     args = parser.parse_args(argv)

@@ -36,9 +36,19 @@ def cohort_data(
     problem: SyntheticProblem, user_ids: np.ndarray, samples: int | None = None,
     fresh: bool = False,
 ) -> UserData:
-    """Data of a contiguous block of users, regenerated once per process and cached."""
-    ids = np.asarray(user_ids)
-    if ids.size and np.array_equal(ids, np.arange(ids[0], ids[0] + ids.size)):
-        m = problem.samples_per_user if samples is None else samples
-        return _cached(problem, int(ids[0]), int(ids[0] + ids.size), m, fresh)
-    return generate_users(problem, ids, samples=samples, fresh=fresh)
+    """Data of the given users, regenerated once per process and cached by covering range.
+
+    Users of a step are a node's contiguous partition, or a subset of it (a user group); both
+    are served from the partition's cached block.
+    """
+    ids = np.asarray(user_ids, dtype=np.int64)
+    if not ids.size:
+        return generate_users(problem, ids, samples=samples, fresh=fresh)
+    m = problem.samples_per_user if samples is None else samples
+    start, stop = int(ids.min()), int(ids.max()) + 1
+    block = _cached(problem, start, stop, m, fresh)
+    if ids.size == stop - start and np.array_equal(ids, np.arange(start, stop)):
+        return block
+    rows = ids - start
+    return UserData(ids, block.features[rows], block.labels[rows],
+                    block.true_local_vectors[rows])

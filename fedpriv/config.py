@@ -34,6 +34,8 @@ def _positive(x: Any) -> bool:
     return x > 0
 
 
+INIT_CHOICES = ("auto", "u-statistic", "pairs", "random")
+
 FIELDS: tuple[Field, ...] = (
     Field("algorithm", str, "private-fedrep", "registered algorithm name"),
     Field("num-users", int, 2000, "number of users n", _positive, "an integer >= 1"),
@@ -60,6 +62,21 @@ FIELDS: tuple[Field, ...] = (
     Field("init-budget-fraction", float, 0.5,
           "share of the privacy budget (in 1/z^2 units) spent on the initialization",
           lambda x: 0 < x < 1, "a number in (0, 1)"),
+    Field("init", str, "auto", "initialization: 'u-statistic' (Snedeker et al. Alg. 2), "
+          "'pairs' (Jain et al. Alg. 3), 'random' (data-free) or 'auto' (the algorithm's own)",
+          lambda x: x in INIT_CHOICES, f"one of {', '.join(INIT_CHOICES)}"),
+    Field("user-groups", int, 1, "Priv-AltMin: disjoint user groups G; round t uses group "
+          "(t-1) mod G, so each user takes part in rounds/G rounds", _positive,
+          "an integer >= 1 that divides rounds"),
+    Field("feature-clip", float, 10.0, "Priv-AltMin: per-sample clip eta of vec(x v^T)",
+          _positive, "a number > 0"),
+    Field("response-clip", float, 2.0, "Priv-AltMin and the pairs init: clip zeta of labels",
+          _positive, "a number > 0"),
+    Field("cov-budget-share", float, 0.5, "Priv-AltMin: share of each round's privacy loss "
+          "(1/z^2 units) spent on sum W W^T; the rest goes to sum y W (0.5: the paper's equal "
+          "multipliers)", lambda x: 0 < x < 1, "a number in (0, 1)"),
+    Field("clipping", bool, True, "clip per-user contributions (private algorithms need it; "
+          "false only for the non-private baselines)"),
     Field("batch-size", str, "max", "'max', 'paper' or an integer b",
           lambda x: x in ("max", "paper") or x.isdigit(), "'max', 'paper' or an integer >= 1"),
     Field("test-samples-per-user", int, 10, "fresh test points per user for test_mse",
@@ -76,6 +93,12 @@ _BY_KEY = {f.key: f for f in FIELDS}
 
 
 def _coerce(field: Field, value: Any) -> Any:
+    if field.kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{field.key}: expected true or false, got {value!r}")
     if field.kind is str:
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise ConfigError(f"{field.key}: expected {field.allowed or 'a string'}, got {value!r}")
@@ -112,6 +135,12 @@ class RunConfig:
     clip_norm: float
     init_clip_norm: float
     init_budget_fraction: float
+    init: str
+    user_groups: int
+    feature_clip: float
+    response_clip: float
+    cov_budget_share: float
+    clipping: bool
     batch_size: str
     test_samples_per_user: int
     seed: int
@@ -143,6 +172,13 @@ class RunConfig:
         if self.rank > self.dim:
             raise ConfigError(f"rank: {self.rank} is not allowed; expected rank <= dim "
                               f"({self.dim})")
+        if self.rounds % self.user_groups:
+            raise ConfigError(f"user-groups: {self.user_groups} does not divide rounds "
+                              f"({self.rounds}); each group must take part in the same number "
+                              "of rounds")
+        if self.user_groups > self.num_users:
+            raise ConfigError(f"user-groups: {self.user_groups} exceeds num-users "
+                              f"({self.num_users})")
         if self.users_per_node > self.num_users:
             raise ConfigError(f"users-per-node: {self.users_per_node} exceeds num-users "
                               f"({self.num_users})")

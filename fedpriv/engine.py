@@ -25,7 +25,8 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None, log=pri
         arrays = server.payload(step)
         replies = []
         for p in range(parts):
-            users = partition_users(config.num_users, p, parts)
+            users = algorithm_cls.participants(config, step,
+                                               partition_users(config.num_users, p, parts))
             contrib = algorithm_cls.user_step(config, step, arrays, users)
             replies.append(NodeReply(p, contrib))
         server.aggregate(step, replies, t0)

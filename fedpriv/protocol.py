@@ -5,14 +5,10 @@ MSG_STEP = "train.step"  # a private step: nodes return clipped sums
 MSG_FINAL = "evaluate.final"  # the final fit and metrics
 
 CONFIG = "config"
-ARRAYS = "arrays"
+ARRAYS = "arrays"  # broadcast arrays (server -> node); per-part sums (node -> server)
 METRICS = "metrics"
 
-KEY_STEP_KIND = "step-kind"
-KEY_STEP_INDEX = "step-index"
-KEY_STEP_RELEASE = "step-release"
-KEY_CLIP_NORM = "clip-norm"
-KEY_TOTAL = "total"
+KEY_STEP = "step"  # the Step, as JSON (fedpriv.algorithms.base.Step.to_json)
 KEY_NUM_USERS = "num-users"
 KEY_NUM_CLIPPED = "num-clipped"
 KEY_PARTITION = "partition-id"

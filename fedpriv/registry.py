@@ -24,7 +24,10 @@ def register(cls: type) -> type:
 
 
 def _load_builtins() -> None:
-    import fedpriv.algorithms.private_fedrep  # noqa: F401  (registers itself)
+    # the built-in algorithms register themselves on import
+    import fedpriv.algorithms.baselines  # noqa: F401
+    import fedpriv.algorithms.priv_altmin  # noqa: F401
+    import fedpriv.algorithms.private_fedrep  # noqa: F401
 
 
 def _load_entry_points() -> None:

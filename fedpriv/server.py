@@ -6,15 +6,16 @@ The Flower strategy (``strategies/``) and the in-process engine (``fedpriv.engin
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.base import Step, UserContribution
+from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.cohorts import partition_users
 from fedpriv.config import RunConfig
 from fedpriv.privacy.accounting import (
@@ -49,7 +50,7 @@ class PrivateServer:
         c = self.config
         self.algorithm = get_algorithm(c.algorithm)(c)
         self.plan = self.algorithm.privacy_plan()
-        z = _calibrate(c, self.plan)
+        z = _calibrate(c, self.plan) if self.plan else []
         self.multipliers = {r.name: zi for r, zi in zip(self.plan, z, strict=True)}
         self.accountant = Accountant(c.accountant, c.neighbouring_relation, c.delta)
         self.rejections: Counter[str] = Counter()
@@ -57,10 +58,12 @@ class PrivateServer:
         self.rounds: list[dict] = []
         self.metrics: dict[str, float] = {}
         self._releases = 0
-        self._hosted = {
-            p: len(partition_users(c.num_users, p, self.num_partitions))
+        self._unnoised = 0
+        self._partition_users = {
+            p: partition_users(c.num_users, p, self.num_partitions)
             for p in range(self.num_partitions)
         }
+        self._expected_cache: dict[int | None, dict[int, int]] = {}
 
     def steps(self) -> list[Step]:
         return self.algorithm.steps()
@@ -68,12 +71,36 @@ class PrivateServer:
     def payload(self, step: Step) -> dict[str, np.ndarray]:
         return self.algorithm.broadcast(step)
 
+    def expected_users(self, step: Step) -> dict[int, int]:
+        """{partition: how many of its users take part in ``step``} (public values only)."""
+        if step.group not in self._expected_cache:
+            cls = type(self.algorithm)
+            self._expected_cache[step.group] = {
+                p: len(cls.participants(self.config, step, ids))
+                for p, ids in self._partition_users.items()
+            }
+        return self._expected_cache[step.group]
+
     # ----- checks ----------------------------------------------------------------------------
     def _reject(self, step: Step, reply: NodeReply, reason: str) -> None:
         self.rejections[reason] += 1
         self.log(f"  {step.label}: rejected node (partition {reply.partition_id}): {reason}")
 
+    def _check_totals(self, step: Step, contrib: UserContribution) -> str | None:
+        totals = contrib.totals if isinstance(contrib.totals, Mapping) else {}
+        for part in step.parts:
+            if part.name not in totals:
+                return f"missing part {part.name!r}"
+            total = np.asarray(totals[part.name])
+            if total.shape != part.shape or total.dtype.kind != "f":
+                return (f"shape/dtype {total.shape}/{total.dtype} of {part.name!r}, "
+                        f"expected {part.shape}/float")
+            if not np.all(np.isfinite(total)):
+                return f"non-finite values in {part.name!r}"
+        return None
+
     def _accepted(self, step: Step, replies: Sequence[NodeReply]) -> list[UserContribution]:
+        expected = self.expected_users(step)
         seen: set[int] = set()
         accepted = []
         for reply in replies:
@@ -81,21 +108,17 @@ class PrivateServer:
             if reply.error is not None or contrib is None:
                 self._reject(step, reply, f"node error: {reply.error or 'no content'}")
                 continue
-            if reply.partition_id in seen or reply.partition_id not in self._hosted:
+            if reply.partition_id in seen or reply.partition_id not in expected:
                 self._reject(step, reply, "duplicate or unknown partition")
                 continue
-            if contrib.num_users != self._hosted[reply.partition_id]:
-                self._reject(step, reply, f"claims {contrib.num_users} users, hosts "
-                                          f"{self._hosted[reply.partition_id]}")
+            if contrib.num_users != expected[reply.partition_id]:
+                self._reject(step, reply, f"claims {contrib.num_users} users, "
+                                          f"{expected[reply.partition_id]} take part")
                 continue
-            if step.release is not None:
-                total = np.asarray(contrib.total)
-                if total.shape != step.shape or total.dtype.kind != "f":
-                    self._reject(step, reply, f"shape/dtype {total.shape}/{total.dtype}, "
-                                              f"expected {step.shape}/float")
-                    continue
-                if not np.all(np.isfinite(total)):
-                    self._reject(step, reply, "non-finite values")
+            if not step.is_final:
+                problem = self._check_totals(step, contrib)
+                if problem is not None:
+                    self._reject(step, reply, problem)
                     continue
             elif contrib.metrics is None or not all(
                 np.isfinite(v) for v in contrib.metrics.values()
@@ -106,22 +129,22 @@ class PrivateServer:
             accepted.append(contrib)
         return accepted
 
-    def _bounded_sum(self, step: Step, accepted: Sequence[UserContribution]) -> np.ndarray:
+    def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution]) -> np.ndarray:
         """Sum of node totals, each scaled to norm <= users * clip (the trusted-node bound)."""
-        total = np.zeros(step.shape)
+        total = np.zeros(part.shape)
         for contrib in accepted:
-            bound = contrib.num_users * step.clip_norm
-            norm = float(np.linalg.norm(contrib.total))
+            value = np.asarray(contrib.totals[part.name], dtype=np.float64)
+            bound = contrib.num_users * part.clip_norm
+            norm = float(np.linalg.norm(value))
             if norm > bound * (1.0 + 1e-9):
                 self.bounded += 1
-                total += contrib.total * (bound / norm)
+                total += value * (bound / norm)
             else:
-                total += contrib.total
+                total += value
         return total
 
     # ----- one step --------------------------------------------------------------------------
     def aggregate(self, step: Step, replies: Sequence[NodeReply], started: float) -> dict:
-        c = self.config
         accepted = self._accepted(step, replies)
         users = sum(a.num_users for a in accepted)
         report: dict[str, Any] = {
@@ -130,7 +153,9 @@ class PrivateServer:
             "nodes_failed": self.num_partitions - len(accepted),
             "users_contributing": users,
         }
-        if step.release is None:
+        if step.group is not None:
+            report["user_group"] = step.group
+        if step.is_final:
             keys = accepted[0].metrics.keys() if accepted else []
             sums = {k: sum(a.metrics[k] for a in accepted) for k in keys}
             if users == 0:
@@ -138,18 +163,38 @@ class PrivateServer:
             self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)
         else:
-            z = self.multipliers[step.release]
-            sensitivity = mean_sensitivity(step.clip_norm, c.num_users, c.neighbouring_relation)
-            std = z * sensitivity
-            noise = self.algorithm.noise(step, std, server_generator(c.seed, self._releases))
-            self._releases += 1
-            total = self._bounded_sum(step, accepted)
-            report.update(self.algorithm.apply(step, total / c.num_users + noise))
-            report["epsilon_spent"] = self.accountant.record(step.label, z, sensitivity, std)
+            report.update(self._release(step, accepted))
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
         self.rounds.append(report)
         self.log(_progress_line(report, len(self.steps()), len(self.rounds)))
+        return report
+
+    def _release(self, step: Step, accepted: Sequence[UserContribution]) -> dict[str, Any]:
+        """Noisy population means of the step's parts, applied and (if private) accounted."""
+        c = self.config
+        population = step.population or c.num_users
+        means: dict[str, np.ndarray] = {}
+        ledger_parts = []
+        z = self.multipliers[step.release] if step.release is not None else None
+        for part in step.parts:
+            mean = self._bounded_sum(part, accepted) / population
+            if z is None:
+                self._unnoised += 1
+                means[part.name] = mean
+                continue
+            z_part = z / math.sqrt(part.share)
+            sensitivity = mean_sensitivity(part.clip_norm, population, c.neighbouring_relation)
+            std = z_part * sensitivity
+            rng = server_generator(c.seed, self._releases)
+            self._releases += 1
+            means[part.name] = mean + self.algorithm.noise(step, part, std, rng)
+            ledger_parts.append({"name": part.name, "noise_multiplier": z_part,
+                                 "l2_sensitivity": sensitivity, "noise_std": std})
+        report = dict(self.algorithm.apply(step, means))
+        if z is not None:
+            report["epsilon_spent"] = self.accountant.record(step.label, z, ledger_parts,
+                                                             step.group)
         return report
 
     def results(self, wall_time_s: float, runtime: str) -> dict:
@@ -161,7 +206,9 @@ class PrivateServer:
             "num_nodes": self.num_partitions,
             "config": c.to_mapping(),
             "privacy": {
-                "epsilon": self.accountant.epsilon(),
+                "private": self.algorithm.private,
+                # None: sums were released without noise (a non-private baseline)
+                "epsilon": self.accountant.epsilon() if self._unnoised == 0 else None,
                 "target_epsilon": c.epsilon,
                 "delta": c.delta,
                 "accountant": c.accountant,
@@ -202,14 +249,22 @@ def summary_lines(results: dict) -> list[str]:
         f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
         f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
         f"test MSE {m.get('test_mse', float('nan')):.4g}",
-        f"  privacy: epsilon spent {p['epsilon']:.4f} (target {p['target_epsilon']}), "
-        f"delta {p['delta']:g}, {p['accountant'].upper()} accountant, "
-        f"{p['neighbouring_relation']} user-level",
+        _privacy_line(p),
         f"  wall time {results['wall_time_s']:.1f}s",
     ]
     if results["rejections"]:
         lines.append(f"  rejected node replies: {results['rejections']}")
     return lines
+
+
+def _privacy_line(p: dict) -> str:
+    if p["epsilon"] is None:
+        return "  privacy: none (a non-private baseline: sums released without noise)"
+    if not p["ledger"]:
+        return "  privacy: nothing released from user data (epsilon 0)"
+    return (f"  privacy: epsilon spent {p['epsilon']:.4f} (target {p['target_epsilon']}), "
+            f"delta {p['delta']:g}, {p['accountant'].upper()} accountant, "
+            f"{p['neighbouring_relation']} user-level")
 
 
 def _calibrate(config: RunConfig, plan) -> list[float]:
@@ -222,4 +277,5 @@ def _calibrate(config: RunConfig, plan) -> list[float]:
 
 def check_plan(config: RunConfig) -> list[float]:
     """Calibrate the config's privacy plan without running; raises if it cannot be met."""
-    return _calibrate(config, get_algorithm(config.algorithm)(config).privacy_plan())
+    plan = get_algorithm(config.algorithm)(config).privacy_plan()
+    return _calibrate(config, plan) if plan else []

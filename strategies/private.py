@@ -64,7 +64,7 @@ class PrivateStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         step = self._step
         assert step is not None, "configure_train runs inside run()"
-        message_type = P.MSG_STEP if step.release is not None else P.MSG_FINAL
+        message_type = P.MSG_FINAL if step.is_final else P.MSG_STEP
         content = RecordDict({P.ARRAYS: arrays, P.CONFIG: config})
         return [Message(content, dst_node_id=n, message_type=message_type)
                 for n in self.partitions]
@@ -99,10 +99,10 @@ class PrivateStrategy(Strategy):
             return NodeReply(pid, error=f"{reply.error.code}: {reply.error.reason}"[:300])
         try:
             metrics = reply.content[P.METRICS]
-            total = reply.content[P.ARRAYS][P.KEY_TOTAL].numpy()
+            totals = {name: array.numpy() for name, array in reply.content[P.ARRAYS].items()}
             extra = {k[len(P.METRIC_PREFIX):]: float(v) for k, v in metrics.items()
                      if k.startswith(P.METRIC_PREFIX)}
-            contrib = UserContribution(total, int(metrics[P.KEY_NUM_USERS]),
+            contrib = UserContribution(totals, int(metrics[P.KEY_NUM_USERS]),
                                        int(metrics[P.KEY_NUM_CLIPPED]), extra or None)
         except (KeyError, TypeError, ValueError) as err:
             return NodeReply(pid, error=f"malformed reply: {err!r}"[:300])
@@ -115,10 +115,7 @@ class PrivateStrategy(Strategy):
             self._step, self._started = step, time.perf_counter()
             arrays = ArrayRecord({k: Array(np.asarray(v))
                                   for k, v in self.server.payload(step).items()})
-            config = ConfigRecord({
-                P.KEY_STEP_KIND: step.kind, P.KEY_STEP_INDEX: step.index,
-                P.KEY_STEP_RELEASE: step.release or "", P.KEY_CLIP_NORM: step.clip_norm,
-            })
+            config = ConfigRecord({P.KEY_STEP: step.to_json()})
             messages = list(self.configure_train(number, arrays, config, grid))
             replies = grid.send_and_receive(messages, timeout=self.config.node_timeout)
             self.aggregate_train(number, replies)

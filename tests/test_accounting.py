@@ -34,7 +34,7 @@ def analytic_gaussian_epsilon(multipliers, delta):
 def test_reported_epsilon_matches_the_exact_formula_within_one_percent(z, count, delta):
     acc = Accountant("pld", "add-remove", delta)
     for t in range(count):
-        reported = acc.record(f"round-{t}", z, 1.0, z)
+        reported = acc.record(f"round-{t}", z)
     exact = analytic_gaussian_epsilon([z] * count, delta)
     assert reported == pytest.approx(exact, rel=0.01)
     assert len(acc.ledger) == count and acc.ledger[-1]["epsilon_spent"] == reported
@@ -78,7 +78,7 @@ def test_sensitivity_follows_the_neighbouring_relation():
 
 def test_empty_accountant_reports_zero():
     assert Accountant("pld", "add-remove", 1e-6).epsilon() == 0.0
-    assert np.isfinite(Accountant("rdp", "replace-one", 1e-6).record("r", 3.0, 1.0, 3.0))
+    assert np.isfinite(Accountant("rdp", "replace-one", 1e-6).record("r", 3.0))
 
 
 def test_replace_one_epsilon_is_the_exact_gaussian_one_at_the_stated_sensitivity():
@@ -86,5 +86,6 @@ def test_replace_one_epsilon_is_the_exact_gaussian_one_at_the_stated_sensitivity
     z * (2 psi / n) is then exactly the mechanism of the analytic formula with multiplier z."""
     acc = Accountant("pld", "replace-one", 1e-6)
     for _ in range(4):
-        reported = acc.record("r", 8.0, 2.0, 16.0)
+        part = {"name": "total", "l2_sensitivity": 2.0, "noise_std": 16.0}
+        reported = acc.record("r", 8.0, [part])
     assert reported == pytest.approx(analytic_gaussian_epsilon([8.0] * 4, 1e-6), rel=0.01)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedpriv.algorithms.base import Algorithm, Step, UserContribution
+from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import PlannedRelease
@@ -55,14 +55,15 @@ class MeanEstimation(Algorithm):
         return [PlannedRelease("mean", 1.0)]
 
     def steps(self):
-        return [Step("mean", 0, "mean", 1.0, (self.config.dim,)), Step("final")]
+        return [Step("mean", 0, "mean", (Part("total", (self.config.dim,), 1.0),)),
+                Step("final")]
 
     def broadcast(self, step):
         return {}
 
-    def apply(self, step, noisy_mean):
-        self.estimate = noisy_mean
-        return {"norm": float(np.linalg.norm(noisy_mean))}
+    def apply(self, step, noisy_means):
+        self.estimate = noisy_means["total"]
+        return {"norm": float(np.linalg.norm(self.estimate))}
 
     def finalize(self, sums, users):
         return {"population_mse": float(np.linalg.norm(self.estimate)), "users": users}
@@ -70,8 +71,9 @@ class MeanEstimation(Algorithm):
     @classmethod
     def user_step(cls, config, step, arrays, user_ids):
         if step.kind == "final":
-            return UserContribution(np.zeros(0), len(user_ids), 0, {"one": float(len(user_ids))})
-        return UserContribution(np.full(config.dim, 0.01) * len(user_ids), len(user_ids))
+            return UserContribution({}, len(user_ids), 0, {"one": float(len(user_ids))})
+        return UserContribution({"total": np.full(config.dim, 0.01) * len(user_ids)},
+                                len(user_ids))
 
 
 def test_a_registered_plugin_runs_by_name():

@@ -20,10 +20,10 @@ def honest_replies(server, step, parts):
 
 
 @pytest.mark.parametrize("bad,reason", [
-    (UserContribution(np.full((10, 10), np.nan), 150), "non-finite"),
-    (UserContribution(np.zeros((3, 3)), 150), "shape"),
-    (UserContribution(np.zeros((10, 10), dtype=np.int64), 150), "dtype"),
-    (UserContribution(np.zeros((10, 10)), 10_000), "claims 10000 users"),
+    (UserContribution({"total": np.full((10, 10), np.nan)}, 150), "non-finite"),
+    (UserContribution({"total": np.zeros((3, 3))}, 150), "shape"),
+    (UserContribution({"total": np.zeros((10, 10), dtype=np.int64)}, 150), "dtype"),
+    (UserContribution({"total": np.zeros((10, 10))}, 10_000), "claims 10000 users"),
     (None, "node error"),
 ])
 def test_bad_updates_are_rejected_counted_and_the_run_goes_on(bad, reason):
@@ -48,9 +48,9 @@ def test_oversized_node_contribution_is_bounded_to_its_users_times_clip():
     server = PrivateServer(config, 2, log=lambda _: None)
     init = server.steps()[0]
     replies = honest_replies(server, init, 2)
-    huge = UserContribution(np.full((10, 10), 1e6), 300)
+    huge = UserContribution({"total": np.full((10, 10), 1e6)}, 300)
     replies[1] = NodeReply(1, huge)
-    bounded = server._bounded_sum(init, [huge])
+    bounded = server._bounded_sum(init.parts[0], [huge])
     assert np.linalg.norm(bounded) == pytest.approx(300 * config.init_clip_norm)
     assert server.bounded == 1
     report = server.aggregate(init, replies, 0.0)
@@ -63,10 +63,12 @@ def test_privacy_noise_is_applied_with_the_planned_std():
     init, round_1, _ = server.steps()
     captured = []
     original = server.algorithm.apply
-    server.algorithm.apply = lambda step, noisy: (captured.append(noisy), original(step, noisy))[1]
-    zero = UserContribution(np.zeros((10, 10)), 600)
+    server.algorithm.apply = lambda step, noisy: (captured.append(noisy["total"]),
+                                                  original(step, noisy))[1]
+    zero = UserContribution({"total": np.zeros((10, 10))}, 600)
     server.aggregate(init, [NodeReply(0, zero)], 0.0)
-    server.aggregate(round_1, [NodeReply(0, UserContribution(np.zeros((10, 2)), 600))], 0.0)
+    server.aggregate(round_1, [NodeReply(0, UserContribution({"total": np.zeros((10, 2))},
+                                                             600))], 0.0)
     expected_init = server.multipliers["init"] * mean_sensitivity(
         config.init_clip_norm, 600, "add-remove")
     upper = captured[0][np.triu_indices(10)]
@@ -85,7 +87,8 @@ def test_replace_one_doubles_the_noise_of_add_remove():
         server = PrivateServer(small_config(neighbouring_relation=relation), 1,
                                log=lambda _: None)
         init = server.steps()[0]
-        server.aggregate(init, [NodeReply(0, UserContribution(np.zeros((10, 10)), 600))], 0.0)
+        zero = UserContribution({"total": np.zeros((10, 10))}, 600)
+        server.aggregate(init, [NodeReply(0, zero)], 0.0)
         stds[relation] = server.accountant.ledger[0]["noise_std"]
         multipliers[relation] = server.multipliers["init"]
     # the factor 2 is in the sensitivity, once; the calibrated multiplier is the same

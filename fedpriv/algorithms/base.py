@@ -1,53 +1,103 @@
 """The contract between an algorithm and the runtime (Flower or in-process).
 
 An algorithm is a sequence of ``Step``s. In each step the server broadcasts arrays; each node
-computes, for the users it hosts, one contribution per user, clips it to ``Step.clip_norm`` and
-returns the *sum* with the user count; the server bounds every node's sum (so a misbehaving node
-cannot break the sensitivity), adds the planned Gaussian noise to the population mean and applies
-the update. Non-private steps (the final evaluation) return metric sums instead.
+computes, for the users it hosts that take part in the step, one contribution per user and
+released ``Part``, bounds each to the part's ``clip_norm`` and returns the *sums* with the user
+count. The server bounds every node's sums (so a misbehaving node cannot break the sensitivity),
+divides by the step's public population, adds the planned Gaussian noise to each part and applies
+the update. A step without parts is the final evaluation: nodes return metric sums instead.
+
+Privacy of a step: its parts are Gaussian releases of the same users' data. Part ``j`` gets noise
+multiplier ``z / sqrt(share_j)`` (shares sum to 1), so the step as a whole is exactly one Gaussian
+mechanism with multiplier ``z`` (the privacy loss of composed Gaussians adds in ``1/z^2``). ``z``
+comes from the calibrated plan entry named by ``release``. A step with ``release = None``
+releases its sums without noise: only non-private baselines do that.
+
+Disjoint user groups: a step with ``group = g`` sees only the users the algorithm assigns to
+group ``g`` (``Algorithm.participants``); the accountant composes, for each user, only the steps
+of its own group (parallel composition) plus the steps every user takes part in.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from fedpriv.privacy.accounting import PlannedRelease
-from fedpriv.privacy.mechanisms import gaussian_noise
+from fedpriv.privacy.mechanisms import gaussian_noise, symmetric_gaussian_noise
+
+
+@dataclass(frozen=True)
+class Part:
+    """One released array of a step.
+
+    ``clip_norm`` is the L2 (Frobenius) bound on one user's contribution to the sum (``inf``: no
+    bound, non-private steps only); ``share`` is the part's share of the step's privacy loss;
+    ``symmetric`` asks for symmetric noise on a symmetric square statistic.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    clip_norm: float
+    share: float = 1.0
+    symmetric: bool = False
 
 
 @dataclass(frozen=True)
 class Step:
-    """One server-node exchange. ``release`` names the privacy-plan group for private steps."""
+    """One server-node exchange."""
 
     kind: str  # e.g. "init", "round", "final"
     index: int = 0
-    release: str | None = None  # None: the step releases nothing private
-    clip_norm: float = 0.0
-    shape: tuple[int, ...] = ()
+    release: str | None = None  # privacy-plan entry; None: nothing noised (non-private)
+    parts: tuple[Part, ...] = ()  # empty: the final step (metrics only)
+    population: int | None = None  # public number of users averaged over (None: all users)
+    group: int | None = None  # disjoint user group taking part (None: every user)
 
     @property
     def label(self) -> str:
         return f"{self.kind}-{self.index}" if self.kind == "round" else self.kind
 
+    @property
+    def is_final(self) -> bool:
+        return not self.parts
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Step:
+        raw = json.loads(text)
+        parts = tuple(Part(p["name"], tuple(p["shape"]), float(p["clip_norm"]),
+                           float(p["share"]), bool(p["symmetric"])) for p in raw["parts"])
+        return cls(raw["kind"], int(raw["index"]), raw["release"], parts, raw["population"],
+                   raw["group"])
+
 
 @dataclass(frozen=True)
 class UserContribution:
-    """What a node sends for one step: the sum over its users and how many users it covers."""
+    """What a node sends for one step: per-part sums over its users and how many users."""
 
-    total: np.ndarray
+    totals: Mapping[str, np.ndarray]
     num_users: int
     num_clipped: int = 0
     metrics: Mapping[str, float] | None = None
 
 
 class Algorithm:
-    """Base class of a registered algorithm; subclasses set ``name`` and implement the hooks."""
+    """Base class of a registered algorithm; subclasses set ``name`` and implement the hooks.
+
+    ``private = False`` marks a non-private baseline: its plan is empty and its steps release
+    sums without noise (or release nothing at all).
+    """
 
     name: ClassVar[str] = ""
+    private: ClassVar[bool] = True
+    summary: ClassVar[str] = ""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -58,7 +108,7 @@ class Algorithm:
         """Raise ``fedpriv.config.ConfigError`` naming the key when the config cannot run."""
 
     def privacy_plan(self) -> list[PlannedRelease]:
-        """Every private release the run will make, with budget weights."""
+        """Every private release one user takes part in, with budget weights."""
         raise NotImplementedError
 
     def steps(self) -> list[Step]:
@@ -69,12 +119,14 @@ class Algorithm:
         """Arrays sent to every node for this step."""
         raise NotImplementedError
 
-    def noise(self, step: Step, std: float, rng: np.random.Generator) -> np.ndarray:
-        """Privacy noise for the population mean of this step (i.i.d. Gaussian by default)."""
-        return gaussian_noise(step.shape, std, rng)
+    def noise(self, step: Step, part: Part, std: float, rng: np.random.Generator) -> np.ndarray:
+        """Privacy noise for one part's population mean (symmetric when the part asks)."""
+        if part.symmetric:
+            return symmetric_gaussian_noise(part.shape[0], std, rng)
+        return gaussian_noise(part.shape, std, rng)
 
-    def apply(self, step: Step, noisy_mean: np.ndarray) -> dict[str, float]:
-        """Update server state from the privatized mean; returns metrics for the round report."""
+    def apply(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """Update server state from the privatized means; returns metrics for the round report."""
         raise NotImplementedError
 
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
@@ -85,9 +137,21 @@ class Algorithm:
         """Server state worth saving with the results (JSON-serializable)."""
         return {}
 
+    # ----- both sides ------------------------------------------------------------------------
+    @classmethod
+    def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
+        """The users among ``user_ids`` that take part in ``step`` (default: all of them).
+
+        Must depend only on public values (config, step, ids), never on data: the server uses
+        it to check each node's user count and the accountant relies on it for parallel
+        composition.
+        """
+        return user_ids
+
     # ----- user side (runs on the nodes; must not touch server state) ------------------------
     @classmethod
     def user_step(
         cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
     ) -> UserContribution:
+        """The summed contributions of ``user_ids`` (already filtered by ``participants``)."""
         raise NotImplementedError

@@ -44,3 +44,55 @@ def clipped_u_statistic_sum(
 def server_init(noisy_mean: np.ndarray, rank: int) -> np.ndarray:
     """``U_init``: top-k eigenvectors of ``sum_i clip(Z_i) / n + xi`` (xi symmetric)."""
     return top_eigenvectors(noisy_mean, rank)
+
+
+# ----- Jain et al. (2021), Algorithm 3 ---------------------------------------------------------
+def pair_statistics(
+    features: np.ndarray, labels: np.ndarray, response_clip: float
+) -> np.ndarray:
+    """Per-user ``M_i = sum_p sym(x_a x_b^T / (||x_a|| ||x_b||)) clip(y_a) clip(y_b)`` over the
+    disjoint pairs ``(a, b) = (0, 1), (2, 3), ...`` of the given samples, shape (n, d, d).
+
+    ``sym(A) = (A + A^T) / 2`` (the paper's "replicate the upper triangle" can grow the Frobenius
+    norm by sqrt(2); this keeps every term's norm <= zeta^2 with the same expectation), so
+    ``||M_i||_F <= pairs * zeta^2``: the per-user bound, by construction.
+    """
+    pairs = features.shape[1] // 2
+    if pairs < 1:
+        raise ValueError("Jain et al.'s initialization needs at least 2 samples per user")
+    a, b = features[:, 0 : 2 * pairs : 2], features[:, 1 : 2 * pairs : 2]
+    ya, yb = labels[:, 0 : 2 * pairs : 2], labels[:, 1 : 2 * pairs : 2]
+    if np.isfinite(response_clip):
+        ya, yb = np.clip(ya, -response_clip, response_clip), np.clip(yb, -response_clip,
+                                                                      response_clip)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weight = ya * yb / (np.linalg.norm(a, axis=2) * np.linalg.norm(b, axis=2))
+    weight = np.nan_to_num(weight, nan=0.0, posinf=0.0, neginf=0.0)  # a zero feature vector
+    outer = np.einsum("npi,npj,np->nij", a, b, weight)
+    return (outer + outer.transpose(0, 2, 1)) / 2.0
+
+
+def pair_bound(samples: int, response_clip: float) -> float:
+    """Per-user Frobenius bound of ``pair_statistics`` with ``samples`` samples."""
+    return (samples // 2) * response_clip**2
+
+
+def clipped_pair_sum(
+    features: np.ndarray, labels: np.ndarray, response_clip: float, chunk: int = 2048
+) -> tuple[np.ndarray, int]:
+    """Sum over users of ``M_i``, each re-clipped to its bound (a no-op up to rounding; it makes
+    the stated sensitivity hold whatever the arithmetic does)."""
+    d = features.shape[2]
+    bound = pair_bound(features.shape[1], response_clip)
+    total = np.zeros((d, d))
+    clipped = 0
+    for start in range(0, features.shape[0], chunk):
+        stop = start + chunk
+        m = pair_statistics(features[start:stop], labels[start:stop], response_clip)
+        if np.isfinite(bound):
+            part, count = clipped_sum(m, bound)
+        else:
+            part, count = m.sum(axis=0), 0
+        total += part
+        clipped += count
+    return total, clipped

@@ -72,7 +72,9 @@ def make_accountant(kind: str, relation: str) -> dp_accounting.PrivacyAccountant
 
 @dataclass(frozen=True)
 class PlannedRelease:
-    """A group of ``count`` identical Gaussian releases sharing ``weight`` of the budget each."""
+    """``count`` identical Gaussian releases that each user takes part in, each with ``weight``
+    of the budget. Releases over disjoint user groups count once per user (parallel composition):
+    T rounds over T disjoint groups are ``count=1``."""
 
     name: str
     weight: float
@@ -156,34 +158,68 @@ def calibrate_gaussian_plan(
 
 
 class Accountant:
-    """Composes the releases of one run as they happen and keeps a ledger."""
+    """Composes the releases of one run as they happen and keeps a ledger.
+
+    A release is either seen by every user (``group=None``) or only by the users of one disjoint
+    group. A user's privacy loss composes the common releases and those of its own group only
+    (parallel composition: the other groups' releases do not depend on its data, given what was
+    released before), so the epsilon spent is the largest over groups of that composition.
+    """
 
     def __init__(self, kind: str, relation: str, delta: float) -> None:
         self.kind = kind
         self.relation = relation
         self.delta = delta
-        self._accountant = make_accountant(kind, relation)
+        self._common: list[dp_accounting.DpEvent] = []
+        self._accountants: dict[int | None, dp_accounting.PrivacyAccountant] = {
+            None: make_accountant(kind, relation)
+        }
+        self._spent: dict[int | None, float] = {None: 0.0}
         self.ledger: list[dict] = []
 
     def record(
-        self, name: str, noise_multiplier: float, sensitivity: float, noise_std: float
+        self,
+        name: str,
+        noise_multiplier: float,
+        parts: Sequence[dict] = (),
+        group: int | None = None,
     ) -> float:
-        """Compose one Gaussian release and return the epsilon spent so far."""
-        self._accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier))
+        """Compose one Gaussian release and return the epsilon spent so far.
+
+        ``parts`` describes the arrays released (name, l2_sensitivity, noise_std, ...); they are
+        saved in the ledger.
+        """
+        event = dp_accounting.GaussianDpEvent(noise_multiplier)
+        if group is None:
+            self._common.append(event)
+            touched = list(self._accountants)
+        else:
+            if group not in self._accountants:
+                acc = make_accountant(self.kind, self.relation)
+                for previous in self._common:
+                    acc.compose(previous)
+                self._accountants[group] = acc
+            touched = [group]
+        for key in touched:
+            self._accountants[key].compose(event)
+            self._spent[key] = float(self._accountants[key].get_epsilon(self.delta))
         spent = self.epsilon()
-        self.ledger.append(
-            {
-                "release": name,
-                "mechanism": "gaussian",
-                "noise_multiplier": noise_multiplier,
-                "l2_sensitivity": sensitivity,
-                "noise_std": noise_std,
-                "epsilon_spent": spent,
-            }
-        )
+        entry = {
+            "release": name,
+            "mechanism": "gaussian",
+            "noise_multiplier": noise_multiplier,
+            "user_group": group,
+            "epsilon_spent": spent,
+        }
+        if len(parts) == 1:
+            entry.update({k: v for k, v in parts[0].items() if k != "name"})
+        elif parts:
+            entry["parts"] = list(parts)
+        self.ledger.append(entry)
         return spent
 
     def epsilon(self) -> float:
+        """Largest epsilon (at ``delta``) any single user has spent so far."""
         if not self.ledger:
             return 0.0
-        return float(self._accountant.get_epsilon(self.delta))
+        return max(self._spent.values())

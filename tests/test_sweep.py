@@ -1,0 +1,110 @@
+"""``fedpriv sweep``: validation before running, the table, the figure, reuse."""
+
+import json
+import textwrap
+
+import pytest
+
+from fedpriv.cli import main
+from fedpriv.config import ConfigError
+from fedpriv.sweep import load_sweep, run_sweep, summarize
+
+SWEEP = """
+[sweep]
+name = "tiny"
+title = "a tiny sweep"
+epsilons = [2, 8]
+seeds = [0, 1]
+
+[base]
+num-users = 600
+dim = 16
+rounds = 2
+test-samples-per-user = 3
+
+[[series]]
+label = "Private FedRep"
+algorithm = "private-fedrep"
+
+[[series]]
+label = "Local only"
+algorithm = "local-only"
+
+[[series]]
+label = "FedRep (non-private, no clipping)"
+algorithm = "fedrep"
+set = { clipping = false }
+"""
+
+
+def write(tmp_path, text, name="sweep.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_sweep_writes_table_and_figure_and_reuses_finished_runs(tmp_path, capsys):
+    path = write(tmp_path, SWEEP)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--jobs", "1",
+                 "--plot", str(tmp_path / "fig.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/8]" in printed and "[8/8]" in printed and "ETA" in printed
+    rows = json.loads((out / "table.json").read_text())
+    assert [(r["series"], r["epsilon"]) for r in rows] == [
+        ("Private FedRep", 2.0), ("Private FedRep", 8.0), ("Local only", None),
+        ("FedRep (non-private, no clipping)", None)]
+    runs = sorted((out / "runs").glob("*.json"))
+    assert len(runs) == 8  # 2 epsilons x 2 seeds + 2 epsilon-free series x 2 seeds
+    fedrep_2 = [json.loads(p.read_text()) for p in runs if "private-fedrep__eps-2__" in p.name]
+    values = [r["metrics"]["population_mse"] for r in fedrep_2]
+    assert rows[0]["population_mse_mean"] == pytest.approx(sum(values) / 2)
+    assert rows[0]["population_mse_min"] == min(values)
+    assert rows[0]["epsilon_spent_max"] <= 2.0
+    assert rows[3]["epsilon_spent_max"] is None  # released without noise
+    assert rows[2]["epsilon_spent_max"] == 0.0  # released nothing
+    assert rows[1]["population_mse_mean"] < rows[2]["population_mse_mean"]
+    header = (out / "table.csv").read_text().splitlines()[0]
+    assert header.startswith("series,algorithm,epsilon,seeds,population_mse_mean")
+    for png in (out / "figure.png", tmp_path / "fig.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # a second invocation reuses every finished run
+    spec = load_sweep(path)
+    messages = []
+    rows_again = run_sweep(spec, out, log=messages.append)
+    assert "8 reused, 0 to run" in messages[0]
+    assert rows_again == rows
+
+
+@pytest.mark.parametrize("change,message", [
+    (("epsilons = [2, 8]", "epsilons = [2, -1]"), "epsilons"),
+    (("seeds = [0, 1]", "seeds = [0, 0]"), "duplicate seeds"),
+    (('name = "tiny"', 'name = "tiny"\nrepeats = 3'), "unknown key"),
+    (('algorithm = "local-only"', 'algorithm = "no-such-thing"'), "unknown algorithm"),
+    (("dim = 16", "dim = 16\nepsilon = 3"), "set by the sweep"),
+    (("dim = 16", "dim = -8"), "dim"),
+    (("set = { clipping = false }", "set = { clipping = false, rounds = 0 }"), "rounds"),
+    (("[base]", "[base]\nclipping = false"), "clipping"),
+])
+def test_bad_sweeps_fail_before_any_run_naming_the_problem(tmp_path, change, message, capsys):
+    path = write(tmp_path, SWEEP.replace(*change))
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(path)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out)]) == 2
+    assert message.split()[0] in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_summary_statistics_over_seeds():
+    from fedpriv.sweep import Run, SweepSpec
+
+    runs = {Run("A", "x", 1.0, s, {}): {"metrics": {"population_mse": v, "test_mse": v},
+                                          "privacy": {"epsilon": 0.9}, "wall_time_s": 1.0}
+            for s, v in enumerate([1.0, 2.0, 4.0])}
+    spec = SweepSpec("s", "t", [1.0], [0, 1, 2], {}, [{"label": "A", "algorithm": "x"}], [],
+                     None)
+    (row,) = summarize(spec, runs)
+    assert row["population_mse_mean"] == pytest.approx(7 / 3)
+    assert row["population_mse_std"] == pytest.approx(1.5275252, rel=1e-6)
+    assert (row["population_mse_min"], row["population_mse_max"]) == (1.0, 4.0)
