@@ -156,6 +156,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     try:
         overrides = {k: v for k, v in (_split_override(item) for item in args.set or [])}
+        print(f"fedpriv sweep: validating {args.config} (every run config; every privacy plan "
+              "calibrated)", flush=True)
         spec = sweep.load_sweep(args.config, overrides)
     except ConfigError as err:
         print(f"fedpriv: invalid sweep: {err}", file=sys.stderr)
@@ -163,7 +165,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("results") / "sweeps" / spec.name).expanduser().resolve()
     jobs = args.jobs if args.jobs > 0 else (os.cpu_count() or 1)
     rows = sweep.run_sweep(spec, out, jobs=1 if args.engine == "flower" else jobs,
-                           engine=args.engine)
+                           engine=args.engine, log=lambda line: print(line, flush=True))
     csv_path, json_path = sweep.write_table(rows, out)
     figure = sweep.plot(spec, rows, out / "figure.png")
     print(sweep.markdown_table(rows))

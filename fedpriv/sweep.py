@@ -329,22 +329,25 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
+    fig, ax = plt.subplots(figsize=(9.0, 4.8), dpi=120)
     lo, hi = min(spec.epsilons), max(spec.epsilons)
     markers = iter("osD^v<>ph*")
-    for series in dict.fromkeys(r["series"] for r in rows):
+    dashes = iter(["--", ":", "-.", (0, (5, 2, 1, 2)), (0, (1, 3)), (0, (8, 3))] * 4)
+    for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
+        color = f"C{i % 10}"
         pts = [r for r in rows if r["series"] == series]
         mean = [r[f"{METRIC}_mean"] for r in pts]
         low = [r[f"{METRIC}_min"] for r in pts]
         high = [r[f"{METRIC}_max"] for r in pts]
-        if pts[0]["epsilon"] is None:
-            line = ax.axhline(mean[0], linestyle="--", linewidth=1.4, label=series)
-            ax.axhspan(low[0], high[0], color=line.get_color(), alpha=0.12, linewidth=0)
+        if pts[0]["epsilon"] is None:  # epsilon-free: a horizontal line, value in the legend
+            ax.axhline(mean[0], linestyle=next(dashes), linewidth=1.5, color=color,
+                       label=f"{series} ({mean[0]:.3g})")
+            ax.axhspan(low[0], high[0], color=color, alpha=0.10, linewidth=0)
         else:
             eps = [r["epsilon"] for r in pts]
-            (line,) = ax.plot(eps, mean, marker=next(markers, "o"), linewidth=1.8,
-                              label=series)
-            ax.fill_between(eps, low, high, color=line.get_color(), alpha=0.18, linewidth=0)
+            ax.plot(eps, mean, marker=next(markers, "o"), linewidth=1.8, color=color,
+                    label=series)
+            ax.fill_between(eps, low, high, color=color, alpha=0.18, linewidth=0)
     ax.set_yscale("log")
     ax.set_xlim(lo - 0.03 * (hi - lo + 1), hi + 0.03 * (hi - lo + 1))
     ax.set_xticks(spec.epsilons)
@@ -356,7 +359,7 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
                  f"$\\delta$={b['delta']:g}, {len(spec.seeds)} seeds (band: min–max)",
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best", framealpha=0.9)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), framealpha=0.9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

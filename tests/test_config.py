@@ -32,3 +32,14 @@ def test_unknown_keys_fail_in_strict_mode_only():
 def test_defaults_round_trip():
     config = RunConfig.from_mapping({})
     assert RunConfig.from_mapping(config.to_mapping()) == config
+
+
+def test_the_flower_app_config_declares_every_key_with_its_default():
+    import tomllib
+    from pathlib import Path
+
+    from fedpriv.config import FIELDS
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+    assert {f.key: f.default for f in FIELDS} == declared

@@ -83,3 +83,25 @@ def test_one_user_per_node_is_the_faithful_deployment(tmp_path, flower_env):
     assert all(r["nodes_answered"] == 12 and r["users_contributing"] == 12
                for r in results["rounds"])
     assert results["privacy"]["epsilon"] <= 8.0
+
+
+def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flower_env):
+    """Two released parts per round and steps covering one user group each, over Flower."""
+    from fedpriv.config import RunConfig
+    from fedpriv.engine import run_in_process
+
+    settings = dict(algorithm="priv-altmin", num_users=900, dim=8, epsilon=4.0, rounds=2,
+                    user_groups=2, users_per_node=300, feature_clip=1e-4, response_clip=1e-4)
+    results, _ = run_cli(flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    rounds = [r for r in results["rounds"] if r["step"].startswith("round")]
+    assert [r["user_group"] for r in rounds] == [0, 1]
+    assert sum(r["users_contributing"] for r in rounds) == 900  # each user in one round
+    ledger = results["privacy"]["ledger"]
+    assert [p["name"] for p in ledger[1]["parts"]] == ["cov", "corr"]
+    local = run_in_process(RunConfig.from_mapping(
+        {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
+        log=lambda _: None)
+    assert results["metrics"]["population_mse"] == pytest.approx(
+        local["metrics"]["population_mse"], rel=1e-9)
+    assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])
