@@ -81,3 +81,10 @@ def test_dp_global_model_is_private_and_cannot_personalize():
 def test_private_algorithms_refuse_to_run_without_clipping(algorithm):
     with pytest.raises(ConfigError, match="clipping"):
         small_config(algorithm=algorithm, clipping=False)
+
+
+@pytest.mark.parametrize("algorithm", ["local-only", "known-embedding", "fedrep",
+                                       "private-fedrep", "dp-global-model"])
+def test_algorithms_without_user_groups_refuse_them(algorithm):
+    with pytest.raises(ConfigError, match="user-groups"):
+        small_config(algorithm=algorithm, user_groups=2)

@@ -98,6 +98,7 @@ class Algorithm:
     name: ClassVar[str] = ""
     private: ClassVar[bool] = True
     summary: ClassVar[str] = ""
+    supports_user_groups: ClassVar[bool] = False  # may a step cover one user group only?
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -105,7 +106,20 @@ class Algorithm:
     # ----- configuration ---------------------------------------------------------------------
     @classmethod
     def validate(cls, config: Any) -> None:
-        """Raise ``fedpriv.config.ConfigError`` naming the key when the config cannot run."""
+        """Raise ``fedpriv.config.ConfigError`` naming the key when the config cannot run.
+
+        Subclasses extend it (calling ``super().validate``): a private algorithm needs
+        clipping (it is what bounds the sensitivity), and only an algorithm that supports user
+        groups accepts ``user-groups`` other than 1.
+        """
+        from fedpriv.config import ConfigError
+
+        if cls.private and not config.clipping:
+            raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true "
+                              "(only the non-private baselines may turn it off)")
+        if config.user_groups != 1 and not cls.supports_user_groups:
+            raise ConfigError(f"user-groups: {cls.name} uses every user each round; "
+                              "user-groups must be 1")
 
     def privacy_plan(self) -> list[PlannedRelease]:
         """Every private release one user takes part in, with budget weights."""

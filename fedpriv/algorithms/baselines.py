@@ -97,16 +97,6 @@ class DPGlobalModel(Algorithm):
     name = "dp-global-model"
     summary = "one shared regression vector by DP-FedAvg (baseline)"
 
-    @classmethod
-    def validate(cls, config: Any) -> None:
-        from fedpriv.config import ConfigError
-
-        if not config.clipping:
-            raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true")
-        if config.user_groups != 1:
-            raise ConfigError(f"user-groups: {cls.name} uses every user each round; "
-                              "user-groups must be 1")
-
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.model = np.zeros(config.dim)

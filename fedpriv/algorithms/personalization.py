@@ -111,9 +111,7 @@ class EmbeddingAlgorithm(Algorithm):
     def validate(cls, config: Any) -> None:
         from fedpriv.config import ConfigError
 
-        if cls.private and not config.clipping:
-            raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true "
-                              "(only the non-private baselines may turn it off)")
+        super().validate(config)
         if cls.init_method(config) in ("u-statistic", "pairs") and config.samples_per_user // 2 < 2:
             raise ConfigError("samples-per-user: the initialization needs >= 2 samples in S0")
 

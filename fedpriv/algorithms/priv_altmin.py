@@ -58,6 +58,7 @@ class PrivAltMin(EmbeddingAlgorithm):
     name = "priv-altmin"
     summary = "Priv-AltMin (Jain et al. 2021, Algs. 1-3)"
     default_init = "pairs"
+    supports_user_groups = True
 
     @classmethod
     def validate(cls, config: Any) -> None:

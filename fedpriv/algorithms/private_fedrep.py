@@ -46,9 +46,6 @@ class PrivateFedRep(EmbeddingAlgorithm):
             batch_size_of(config)
         except ValueError as err:
             raise ConfigError(f"batch-size: {err}") from None
-        if config.user_groups != 1:
-            raise ConfigError(f"user-groups: {cls.name} uses every user each round; "
-                              "user-groups must be 1")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
