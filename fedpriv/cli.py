@@ -168,7 +168,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                            engine=args.engine, log=lambda line: print(line, flush=True))
     csv_path, json_path = sweep.write_table(rows, out)
     figure = sweep.plot(spec, rows, out / "figure.png")
-    print(sweep.markdown_table(rows))
+    print(sweep.markdown_table(rows, spec))
     print(f"fedpriv: table {csv_path} and {json_path}; figure {figure}")
     if args.plot:
         target = Path(args.plot).expanduser().resolve()
@@ -188,8 +188,10 @@ def _split_override(item: str) -> tuple[str, Any]:
 def cmd_algorithms(_: argparse.Namespace) -> int:
     from fedpriv.registry import available, get_algorithm
 
-    for name in available():
-        print(f"{name:<18} {get_algorithm(name).summary}")
+    names = available()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {get_algorithm(name).summary}")
     return 0
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fedpriv.data.meta import LOSSES
 from fedpriv.data.synthetic import FEATURE_FAMILIES
 from fedpriv.privacy.accounting import ACCOUNTANTS, NEIGHBOURING_RELATIONS
 
@@ -35,6 +36,7 @@ def _positive(x: Any) -> bool:
 
 
 INIT_CHOICES = ("auto", "u-statistic", "pairs", "random")
+ALL_FEATURE_FAMILIES = ("auto", *FEATURE_FAMILIES, "unit-ball")
 
 FIELDS: tuple[Field, ...] = (
     Field("algorithm", str, "private-fedrep", "registered algorithm name"),
@@ -44,8 +46,9 @@ FIELDS: tuple[Field, ...] = (
     Field("samples-per-user", int, 10, "samples per user m", lambda x: x >= 4,
           "an integer >= 4 (two disjoint batches from the first half)"),
     Field("label-noise", float, 0.01, "label noise std R", lambda x: x >= 0, "a number >= 0"),
-    Field("feature-dist", str, "gaussian", "feature family", lambda x: x in FEATURE_FAMILIES,
-          f"one of {', '.join(FEATURE_FAMILIES)}"),
+    Field("feature-dist", str, "auto", "feature family ('auto': gaussian for the "
+          "personalization algorithms, unit-ball for meta-learning)",
+          lambda x: x in ALL_FEATURE_FAMILIES, f"one of {', '.join(ALL_FEATURE_FAMILIES)}"),
     Field("epsilon", float, 1.0, "target epsilon", lambda x: x > 0 and math.isfinite(x),
           "a finite number > 0"),
     Field("delta", float, 1e-6, "target delta", lambda x: 0 < x < 1, "a number in (0, 1)"),
@@ -75,6 +78,28 @@ FIELDS: tuple[Field, ...] = (
     Field("cov-budget-share", float, 0.5, "Priv-AltMin: share of each round's privacy loss "
           "(1/z^2 units) spent on sum W W^T; the rest goes to sum y W (0.5: the paper's equal "
           "multipliers)", lambda x: 0 < x < 1, "a number in (0, 1)"),
+    Field("task-loss", str, "squared", "meta-learning: the tasks' loss",
+          lambda x: x in LOSSES, f"one of {', '.join(LOSSES)}"),
+    Field("task-clusters", int, 1, "meta-learning: clusters of the task distribution (1: "
+          "N(task-mean * 1, task-std^2 I); c > 1: the paper's c orthogonal block centers)",
+          _positive, "an integer in [1, dim]"),
+    Field("task-mean", float, 4.0, "meta-learning, one cluster: every entry of the mean task "
+          "vector", lambda x: math.isfinite(x), "a finite number"),
+    Field("task-std", float, 1.0, "meta-learning: std of task vectors around their center",
+          lambda x: x >= 0, "a number >= 0"),
+    Field("meta-lambda", float, 0.05, "meta-learning: base learner regularization lambda",
+          _positive, "a number > 0"),
+    Field("meta-radius", float, 50.0, "meta-learning: radius of the ball W the meta-models "
+          "are projected onto", _positive, "a number > 0"),
+    Field("meta-models", int, 1, "meta-learning: number q of meta-models (clustering)",
+          _positive, "an integer >= 1"),
+    Field("meta-init-scale", float, 1.0, "meta-learning, q > 1: norm of the random starting "
+          "meta-models", lambda x: x >= 0, "a number >= 0"),
+    Field("tasks-per-round", int, 0, "meta-learning: expected tasks per round m (Poisson "
+          "sampling rate m/K); 0: the paper's m = max(K sqrt(eps/(4T)), 1)", lambda x: x >= 0,
+          "an integer >= 0"),
+    Field("base-accuracy", float, 1e-6, "meta-learning: base learner stops at ||grad|| <= b, "
+          "so ||w^ - w_h|| <= b/lambda", _positive, "a number > 0"),
     Field("clipping", bool, True, "clip per-user contributions (private algorithms need it; "
           "false only for the non-private baselines)"),
     Field("batch-size", str, "max", "'max', 'paper' or an integer b",
@@ -140,6 +165,16 @@ class RunConfig:
     feature_clip: float
     response_clip: float
     cov_budget_share: float
+    task_loss: str
+    task_clusters: int
+    task_mean: float
+    task_std: float
+    meta_lambda: float
+    meta_radius: float
+    meta_models: int
+    meta_init_scale: float
+    tasks_per_round: int
+    base_accuracy: float
     clipping: bool
     batch_size: str
     test_samples_per_user: int
@@ -172,6 +207,9 @@ class RunConfig:
         if self.rank > self.dim:
             raise ConfigError(f"rank: {self.rank} is not allowed; expected rank <= dim "
                               f"({self.dim})")
+        if self.task_clusters > self.dim:
+            raise ConfigError(f"task-clusters: {self.task_clusters} is not allowed; expected "
+                              f"task-clusters <= dim ({self.dim})")
         if self.rounds % self.user_groups:
             raise ConfigError(f"user-groups: {self.user_groups} does not divide rounds "
                               f"({self.rounds}); each group must take part in the same number "

@@ -63,7 +63,9 @@ class PrivateServer:
             p: partition_users(c.num_users, p, self.num_partitions)
             for p in range(self.num_partitions)
         }
-        self._expected_cache: dict[int | None, dict[int, int]] = {}
+        self._expected_cache: tuple[str, dict[int, int]] | None = None
+        releases = [s for s in self.algorithm.steps() if s.release is not None]
+        self._last_release = releases[-1].label if releases else None
 
     def steps(self) -> list[Step]:
         return self.algorithm.steps()
@@ -72,14 +74,16 @@ class PrivateServer:
         return self.algorithm.broadcast(step)
 
     def expected_users(self, step: Step) -> dict[int, int]:
-        """{partition: how many of its users take part in ``step``} (public values only)."""
-        if step.group not in self._expected_cache:
+        """{partition: how many of its users take part in ``step``} (public values only; with
+        Poisson sampling, values of the server's sampling seed)."""
+        key = step.to_json()
+        if self._expected_cache is None or self._expected_cache[0] != key:
             cls = type(self.algorithm)
-            self._expected_cache[step.group] = {
+            self._expected_cache = (key, {
                 p: len(cls.participants(self.config, step, ids))
                 for p, ids in self._partition_users.items()
-            }
-        return self._expected_cache[step.group]
+            })
+        return self._expected_cache[1]
 
     # ----- checks ----------------------------------------------------------------------------
     def _reject(self, step: Step, reply: NodeReply, reason: str) -> None:
@@ -193,8 +197,13 @@ class PrivateServer:
                                  "l2_sensitivity": sensitivity, "noise_std": std})
         report = dict(self.algorithm.apply(step, means))
         if z is not None:
-            report["epsilon_spent"] = self.accountant.record(step.label, z, ledger_parts,
-                                                             step.group)
+            groups, rate = self.algorithm.charge(step)
+            count = len(self.accountant.ledger) + 1
+            evaluate = rate >= 1 or count & (count - 1) == 0 or step.label == self._last_release
+            spent = self.accountant.record(step.label, z, ledger_parts, groups=groups,
+                                           sampling_rate=rate, evaluate=evaluate)
+            if spent is not None:
+                report["epsilon_spent"] = spent
         return report
 
     def results(self, wall_time_s: float, runtime: str) -> dict:
@@ -230,10 +239,12 @@ def _progress_line(report: dict, total_steps: int, done: int) -> str:
     parts = [f"[{done}/{total_steps}] {report['step']:<9}"]
     if "epsilon_spent" in report:
         parts.append(f"epsilon_spent={report['epsilon_spent']:.4f}")
-    for key in ("subspace_distance", "population_mse", "test_mse",
-                "local_only_mse"):
+    for key in ("subspace_distance", "population_mse", "test_mse", "local_only_mse",
+                "meta_model_norm", "transfer_risk", "local_risk", "cluster_purity"):
         if key in report:
             parts.append(f"{key}={report[key]:.4g}")
+    if report["step"] != "final":
+        parts.append(f"users={report['users_contributing']}")
     parts.append(f"nodes={report['nodes_answered']}")
     if report["nodes_failed"]:
         parts.append(f"failed={report['nodes_failed']}")
@@ -243,12 +254,19 @@ def _progress_line(report: dict, total_steps: int, done: int) -> str:
 
 def summary_lines(results: dict) -> list[str]:
     m, p = results["metrics"], results["privacy"]
+    if "transfer_risk" in m:  # meta-learning: risk of fresh tasks
+        quality = (f"  transfer risk {m['transfer_risk']:.4g} on {m['fresh_tasks']:.0f} fresh tasks"
+                   f"   local training {m['local_risk']:.4g}")
+        if "cluster_purity" in m:
+            quality += f"   cluster purity {m['cluster_purity']:.3f}"
+    else:
+        quality = (f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
+                   f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
+                   f"test MSE {m.get('test_mse', float('nan')):.4g}")
     lines = [
         f"fedpriv: {results['algorithm']} on {results['num_users']} users "
         f"({results['num_nodes']} nodes, {results['runtime']})",
-        f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
-        f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
-        f"test MSE {m.get('test_mse', float('nan')):.4g}",
+        quality,
         _privacy_line(p),
         f"  wall time {results['wall_time_s']:.1f}s",
     ]

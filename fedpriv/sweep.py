@@ -1,10 +1,15 @@
-"""``fedpriv sweep``: a grid of algorithms x epsilon x seeds from one TOML file.
+"""``fedpriv sweep``: a grid of algorithms x epsilon (x another key) x seeds from one TOML file.
 
     [sweep]
     name = "figure_snedeker2025"           # names the output folder
     title = "Private FedRep vs Priv-AltMin"  # figure title
     epsilons = [1, 2, 4, 6, 8]
     seeds = [0, 1, 2]
+    metric = "population_mse"               # the metric tabulated and plotted (the default)
+    # x = "num-users"                       # optional: plot against this run-config key ...
+    # x-values = [500, 2000, 10000]         # ... at these values, one curve per (series, eps)
+    # x-label = "number of tasks K"         # optional axis label (default: the key)
+    # subtitle = "d=30, ..."                # optional second title line
 
     [base]                                  # run-config keys shared by every run
     num-users = 20000
@@ -16,12 +21,13 @@
     set = { rounds = 5 }                    # run-config keys of this series only
 
 A series whose algorithm spends no privacy budget (non-private baselines, local-only, the
-known-U* reference) does not depend on epsilon: it runs once per seed and is drawn as a
-horizontal line. Every run config is validated (and every privacy plan calibrated) before the
-first run starts. Outputs, under ``--out`` (default ``results/sweeps/<name>``): one results JSON
-per run in ``runs/`` (reused when a sweep is re-run with the same configs), ``table.csv`` and
-``table.json`` (mean and spread over seeds), and ``figure.png`` (population MSE against epsilon,
-log scale).
+known-U* reference) does not depend on epsilon: it runs once per seed (and x value) and is
+drawn as a horizontal line against epsilon, or as one curve against x. Every run config is
+validated (and every privacy plan calibrated) before the first run starts. Outputs, under
+``--out`` (default ``results/sweeps/<name>``): one results JSON per run in ``runs/`` (reused
+when a sweep is re-run with the same configs), ``table.csv`` and ``table.json`` (the metric's mean
+and spread over seeds, the means of the other metrics), and ``figure.png`` (the metric against
+epsilon or x, log scale).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import math
 import os
 import re
+import textwrap
 import time
 import tomllib
 from collections.abc import Callable
@@ -42,7 +49,10 @@ from typing import Any
 from fedpriv.config import ConfigError, RunConfig, default_mapping
 from fedpriv.privacy.accounting import InfeasiblePlanError
 
-METRIC = "population_mse"
+METRIC = "population_mse"  # the default metric
+_SWEEP_KEYS = ("name", "title", "subtitle", "epsilons", "seeds", "metric", "x", "x-values",
+               "x-label")
+_SET_BY_SWEEP = ("epsilon", "seed", "algorithm")
 
 
 @dataclass(frozen=True)
@@ -52,11 +62,13 @@ class Run:
     epsilon: float | None  # None: the series does not depend on epsilon
     seed: int
     values: dict[str, Any] = field(hash=False, compare=False)
+    x: float | None = None  # the value of the sweep's x key (None: x is epsilon)
 
     @property
     def slug(self) -> str:
         eps = "none" if self.epsilon is None else f"{self.epsilon:g}"
-        return f"{_slug(self.series)}__eps-{eps}__seed-{self.seed}"
+        at = "" if self.x is None else f"__x-{self.x:g}"
+        return f"{_slug(self.series)}__eps-{eps}{at}__seed-{self.seed}"
 
 
 @dataclass
@@ -68,7 +80,12 @@ class SweepSpec:
     base: dict[str, Any]
     series: list[dict[str, Any]]
     runs: list[Run]
-    source: Path
+    source: Path | None
+    metric: str = METRIC
+    x: str = "epsilon"  # the horizontal axis: epsilon or a run-config key
+    x_values: list[float] = field(default_factory=list)
+    subtitle: str | None = None
+    x_label: str | None = None
 
 
 def _slug(text: str) -> str:
@@ -93,9 +110,9 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
         raise ConfigError(f"{path}: unknown section(s) {unknown}; expected [sweep], [base], "
                           "[[series]]")
     sweep = raw.get("sweep", {})
-    bad = sorted(set(sweep) - {"name", "title", "epsilons", "seeds"})
+    bad = sorted(set(sweep) - set(_SWEEP_KEYS))
     if bad:
-        raise ConfigError(f"[sweep]: unknown key(s) {bad}; known: name, title, epsilons, seeds")
+        raise ConfigError(f"[sweep]: unknown key(s) {bad}; known: {', '.join(_SWEEP_KEYS)}")
     epsilons = sweep.get("epsilons")
     if not isinstance(epsilons, list) or not epsilons or not all(
             isinstance(e, (int, float)) and not isinstance(e, bool) and e > 0 for e in epsilons):
@@ -106,8 +123,13 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
         raise ConfigError("[sweep] seeds: expected a non-empty list of integers >= 0")
     if len(set(seeds)) != len(seeds):
         raise ConfigError("[sweep] seeds: duplicate seeds")
+    metric = sweep.get("metric", METRIC)
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError("[sweep] metric: expected a metric name such as \"population_mse\"")
+    x_key, x_values = _x_axis(sweep)
+    set_by_sweep = _SET_BY_SWEEP + (() if x_key == "epsilon" else (x_key,))
     base = {**raw.get("base", {}), **(overrides or {})}
-    for key in ("epsilon", "seed", "algorithm"):
+    for key in set_by_sweep:
         if key in base:
             raise ConfigError(f"[base] {key}: set by the sweep itself; remove it from [base]")
     series = raw.get("series")
@@ -129,7 +151,7 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
         extra = entry.get("set", {})
         if not isinstance(extra, dict):
             raise ConfigError(f"{where} set: expected a table of run-config keys")
-        for key in ("epsilon", "seed", "algorithm"):
+        for key in set_by_sweep:
             if key in extra:
                 raise ConfigError(f"{where} set: {key} is set by the sweep itself")
         try:
@@ -137,24 +159,56 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
         except KeyError as err:
             raise ConfigError(f"{where} algorithm: {err.args[0]}") from None
         values = {**default_mapping(), **base, **extra, "algorithm": entry["algorithm"]}
-        probe = _config(where, {**values, "epsilon": float(epsilons[0]), "seed": seeds[0]})
+        xs: list[Any] = x_values or [None]
+        first = {} if xs[0] is None else {x_key: xs[0]}
+        probe = _config(where, {**values, **first, "epsilon": float(epsilons[0]),
+                                "seed": seeds[0]})
         depends = bool(algorithm(probe).privacy_plan())
-        for eps in (epsilons if depends else [None]):
-            for seed in seeds:
-                run_values = {**values, "seed": seed}
-                if eps is not None:
-                    run_values["epsilon"] = float(eps)
-                config = _config(where, run_values)
-                if eps is not None and seed == seeds[0]:
-                    try:
-                        check_plan(config)
-                    except InfeasiblePlanError as err:
-                        raise ConfigError(f"{where} at epsilon={eps}: {err}") from None
-                runs.append(Run(label, entry["algorithm"], None if eps is None else float(eps),
-                                seed, run_values))
+        for x in xs:
+            at = {} if x is None else {x_key: x}
+            where_x = where if x is None else f"{where} at {x_key}={x}"
+            for eps in (epsilons if depends else [None]):
+                for seed in seeds:
+                    run_values = {**values, **at, "seed": seed}
+                    if eps is not None:
+                        run_values["epsilon"] = float(eps)
+                    config = _config(where_x, run_values)
+                    if eps is not None and seed == seeds[0]:
+                        try:
+                            check_plan(config)
+                        except InfeasiblePlanError as err:
+                            raise ConfigError(f"{where_x} at epsilon={eps}: {err}") from None
+                    runs.append(Run(label, entry["algorithm"],
+                                    None if eps is None else float(eps), seed, run_values,
+                                    None if x is None else float(x)))
     name = str(sweep.get("name", source.stem))
+    subtitle = sweep.get("subtitle")
     return SweepSpec(name, str(sweep.get("title", name)), [float(e) for e in epsilons], seeds,
-                     base, series, runs, source)
+                     base, series, runs, source, metric, x_key,
+                     [float(v) for v in x_values], None if subtitle is None else str(subtitle),
+                     str(sweep["x-label"]) if "x-label" in sweep else None)
+
+
+def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The horizontal axis: ``epsilon`` (the default) or a run-config key with its values."""
+    x_key = sweep.get("x", "epsilon")
+    x_values = sweep.get("x-values")
+    if x_key == "epsilon":
+        if x_values is not None:
+            raise ConfigError("[sweep] x-values: only with x set to a run-config key (the "
+                              "epsilon values are [sweep] epsilons)")
+        return "epsilon", []
+    if not isinstance(x_key, str) or x_key not in default_mapping():
+        raise ConfigError(f"[sweep] x: {x_key!r} is not a run-config key")
+    if x_key in _SET_BY_SWEEP:
+        raise ConfigError(f"[sweep] x: {x_key} cannot be the x axis")
+    if not isinstance(x_values, list) or not x_values or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in x_values):
+        raise ConfigError(f"[sweep] x-values: expected a non-empty list of numbers for x = "
+                          f"{x_key!r}")
+    if len(set(x_values)) != len(x_values):
+        raise ConfigError("[sweep] x-values: duplicate values")
+    return x_key, sorted(x_values)
 
 
 def _config(where: str, values: dict[str, Any]) -> RunConfig:
@@ -212,7 +266,8 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         else:
             todo.append((run, path))
     total = len(spec.runs)
-    log(f"fedpriv sweep {spec.name}: {total} runs ({len(spec.series)} series x "
+    grid = "" if not spec.x_values else f"{len(spec.x_values)} values of {spec.x} x "
+    log(f"fedpriv sweep {spec.name}: {total} runs ({len(spec.series)} series x {grid}"
         f"{len(spec.epsilons)} epsilons x {len(spec.seeds)} seeds; epsilon-free series run "
         f"once per seed), {len(results)} reused, {len(todo)} to run, engine {engine}, "
         f"{jobs} job(s)")
@@ -226,8 +281,11 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         ran = done - (total - len(todo))
         eta = elapsed / ran * (total - done) if ran else 0.0
         eps = "   -  " if run.epsilon is None else f"{run.epsilon:6g}"
-        log(f"[{done:>{len(str(total))}}/{total}] {run.series:<28} eps={eps} seed={run.seed}  "
-            f"{METRIC} {res['metrics'][METRIC]:.4g}  ({res['wall_time_s']:.1f}s; elapsed "
+        at = "" if run.x is None else f" {spec.x}={run.x:g}"
+        value = res["metrics"].get(spec.metric)
+        shown = "missing" if value is None else f"{value:.4g}"
+        log(f"[{done:>{len(str(total))}}/{total}] {run.series:<28} eps={eps}{at} "
+            f"seed={run.seed}  {spec.metric} {shown}  ({res['wall_time_s']:.1f}s; elapsed "
             f"{_clock(elapsed)}, ETA {_clock(eta)})")
 
     if engine == "flower":
@@ -269,76 +327,120 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def summarize(spec: SweepSpec, results: dict[Run, dict]) -> list[dict]:
-    """One row per (series, epsilon): mean, sample std, min and max over seeds."""
+    """One row per (series, epsilon[, x]): the metric's mean, sample std, min and max over seeds,
+    then the mean of every other metric all the seeds report."""
+    metric = spec.metric
     rows = []
     order = {s.get("label", s["algorithm"]): i for i, s in enumerate(spec.series)}
-    groups: dict[tuple[str, float | None], list[tuple[Run, dict]]] = {}
+    groups: dict[tuple[str, float | None, float | None], list[tuple[Run, dict]]] = {}
     for run, res in results.items():
-        groups.setdefault((run.series, run.epsilon), []).append((run, res))
-    for (series, eps), members in sorted(groups.items(), key=lambda kv: (
-            order[kv[0][0]], -1.0 if kv[0][1] is None else kv[0][1])):
-        metric = _stats([r["metrics"][METRIC] for _, r in members])
-        test = _stats([r["metrics"]["test_mse"] for _, r in members])
+        groups.setdefault((run.series, run.epsilon, run.x), []).append((run, res))
+
+    def key(item):
+        (series, eps, x), _ = item
+        return (order[series], -1.0 if eps is None else eps, -1.0 if x is None else x)
+
+    for (series, eps, x), members in sorted(groups.items(), key=key):
+        missing = [run.slug for run, r in members if metric not in r["metrics"]]
+        if missing:
+            raise KeyError(f"metric {metric!r} is not reported by run(s) {missing}; they report "
+                           f"{sorted(members[0][1]['metrics'])}")
+        stats = _stats([r["metrics"][metric] for _, r in members])
         spent = [r["privacy"]["epsilon"] for _, r in members]
-        rows.append({
-            "series": series,
-            "algorithm": members[0][0].algorithm,
-            "epsilon": eps,
-            "seeds": len(members),
-            f"{METRIC}_mean": metric["mean"],
-            f"{METRIC}_std": metric["std"],
-            f"{METRIC}_min": metric["min"],
-            f"{METRIC}_max": metric["max"],
-            "test_mse_mean": test["mean"],
-            # None: released without noise (not private); otherwise the accountant's epsilon
-            "epsilon_spent_max": None if any(s is None for s in spent) else max(spent),
-            "wall_time_s_mean": sum(r["wall_time_s"] for _, r in members) / len(members),
-        })
+        row: dict[str, Any] = {"series": series, "algorithm": members[0][0].algorithm,
+                               "epsilon": eps}
+        if x is not None:
+            row[spec.x] = x
+        row["seeds"] = len(members)
+        row.update({f"{metric}_{k}": stats[k] for k in ("mean", "std", "min", "max")})
+        others = set.intersection(*(set(r["metrics"]) for _, r in members)) - {metric}
+        for name in sorted(others):
+            row[f"{name}_mean"] = sum(r["metrics"][name] for _, r in members) / len(members)
+        # None: released without noise (not private); otherwise the accountant's epsilon
+        row["epsilon_spent_max"] = None if any(s is None for s in spent) else max(spent)
+        row["wall_time_s_mean"] = sum(r["wall_time_s"] for _, r in members) / len(members)
+        rows.append(row)
     return rows
 
 
 def write_table(rows: list[dict], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out / "table.csv", out / "table.json"
+    fields = list(dict.fromkeys(k for row in rows for k in row))
     with csv_path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in fields})
     json_path.write_text(json.dumps(rows, indent=2))
     return csv_path, json_path
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| series | epsilon | population MSE (mean ± std) | min–max | seeds |",
-             "|---|---|---|---|---|"]
+def _metric_label(metric: str) -> str:
+    return {"population_mse": "population MSE", "transfer_risk": "transfer risk",
+            "population_transfer_risk": "population transfer risk"}.get(
+                metric, metric.replace("_", " "))
+
+
+def markdown_table(rows: list[dict], spec: SweepSpec | None = None) -> str:
+    metric = spec.metric if spec else METRIC
+    x = spec.x if spec and spec.x != "epsilon" else None
+    head = "| series | epsilon |" + (f" {x} |" if x else "")
+    lines = [f"{head} {_metric_label(metric)} (mean ± std) | min–max | seeds |",
+             "|---|---|" + ("---|" if x else "") + "---|---|---|"]
     for r in rows:
         eps = "–" if r["epsilon"] is None else f"{r['epsilon']:g}"
-        lines.append(f"| {r['series']} | {eps} | {r[f'{METRIC}_mean']:.3g} ± "
-                     f"{r[f'{METRIC}_std']:.2g} | {r[f'{METRIC}_min']:.3g}–"
-                     f"{r[f'{METRIC}_max']:.3g} | {r['seeds']} |")
+        at = f" {r[x]:g} |" if x else ""
+        lines.append(f"| {r['series']} | {eps} |{at} {r[f'{metric}_mean']:.3g} ± "
+                     f"{r[f'{metric}_std']:.2g} | {r[f'{metric}_min']:.3g}–"
+                     f"{r[f'{metric}_max']:.3g} | {r['seeds']} |")
     return "\n".join(lines)
 
 
 # ----- the figure --------------------------------------------------------------------------
+def _subtitle(spec: SweepSpec) -> str:
+    if spec.subtitle:
+        return spec.subtitle
+    b = {**default_mapping(), **spec.base}
+    shown = [("n", "num-users"), ("d", "dim"), ("k", "rank"), ("m", "samples-per-user")]
+    parts = [f"{sym}={b[key]}" for sym, key in shown if key != spec.x]
+    return ", ".join(parts + [f"R={b['label-noise']:g}", f"$\\delta$={b['delta']:g}"])
+
+
 def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
-    """Population MSE against epsilon on a log scale; epsilon-free series as horizontal lines;
+    """The metric against epsilon (epsilon-free series as horizontal lines) or against the x key
+    (one curve per series and epsilon: colour per series, line style per epsilon); log scales;
     shaded bands span min to max over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
+    metric = spec.metric
     fig, ax = plt.subplots(figsize=(9.0, 4.8), dpi=120)
-    lo, hi = min(spec.epsilons), max(spec.epsilons)
     markers = iter("osD^v<>ph*")
     dashes = iter(["--", ":", "-.", (0, (5, 2, 1, 2)), (0, (1, 3)), (0, (8, 3))] * 4)
+    eps_styles = dict(zip(spec.epsilons, ["-", "--", ":", "-.", (0, (5, 2, 1, 2))] * 4))
     for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
         color = f"C{i % 10}"
         pts = [r for r in rows if r["series"] == series]
-        mean = [r[f"{METRIC}_mean"] for r in pts]
-        low = [r[f"{METRIC}_min"] for r in pts]
-        high = [r[f"{METRIC}_max"] for r in pts]
+        if spec.x != "epsilon":
+            marker = next(markers, "o")
+            for eps in dict.fromkeys(r["epsilon"] for r in pts):
+                curve = [r for r in pts if r["epsilon"] == eps]
+                xs = [r[spec.x] for r in curve]
+                label = series if eps is None else f"{series}, $\\varepsilon$={eps:g}"
+                ax.plot(xs, [r[f"{metric}_mean"] for r in curve], marker=marker, color=color,
+                        linewidth=1.8, linestyle="-" if eps is None else eps_styles[eps],
+                        label=label)
+                ax.fill_between(xs, [r[f"{metric}_min"] for r in curve],
+                                [r[f"{metric}_max"] for r in curve], color=color, alpha=0.12,
+                                linewidth=0)
+            continue
+        mean = [r[f"{metric}_mean"] for r in pts]
+        low = [r[f"{metric}_min"] for r in pts]
+        high = [r[f"{metric}_max"] for r in pts]
         if pts[0]["epsilon"] is None:  # epsilon-free: a horizontal line, value in the legend
             ax.axhline(mean[0], linestyle=next(dashes), linewidth=1.5, color=color,
                        label=f"{series} ({mean[0]:.3g})")
@@ -349,15 +451,26 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
                     label=series)
             ax.fill_between(eps, low, high, color=color, alpha=0.18, linewidth=0)
     ax.set_yscale("log")
-    ax.set_xlim(lo - 0.03 * (hi - lo + 1), hi + 0.03 * (hi - lo + 1))
-    ax.set_xticks(spec.epsilons)
-    ax.set_xlabel(r"user-level $\varepsilon$")
-    ax.set_ylabel("population MSE (log scale)")
-    b = {**default_mapping(), **spec.base}
-    ax.set_title(f"{spec.title}\nn={b['num-users']}, d={b['dim']}, k={b['rank']}, "
-                 f"m={b['samples-per-user']}, R={b['label-noise']:g}, "
-                 f"$\\delta$={b['delta']:g}, {len(spec.seeds)} seeds (band: min–max)",
-                 fontsize=10)
+    # plain numbers on the log axis (not 4x10^0), minor ticks labelled only on a narrow range
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    lows = [r[f"{metric}_min"] for r in rows if r[f"{metric}_min"] > 0]
+    narrow = bool(lows) and max(r[f"{metric}_max"] for r in rows) / min(lows) < 20
+    ax.yaxis.set_minor_formatter(plain if narrow else matplotlib.ticker.NullFormatter())
+    if spec.x == "epsilon":
+        lo, hi = min(spec.epsilons), max(spec.epsilons)
+        ax.set_xlim(lo - 0.03 * (hi - lo + 1), hi + 0.03 * (hi - lo + 1))
+        ax.set_xticks(spec.epsilons)
+        ax.set_xlabel(r"user-level $\varepsilon$")
+    else:
+        if min(spec.x_values) > 0:
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(spec.x_values, [f"{v:g}" for v in spec.x_values])
+        ax.set_xlabel(spec.x_label or spec.x)
+    ax.set_ylabel(f"{_metric_label(metric)} (log scale)")
+    subtitle = textwrap.fill(f"{_subtitle(spec)}, {len(spec.seeds)} seeds (band: min–max)", 110)
+    ax.set_title(f"{spec.title}\n{subtitle}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), framealpha=0.9)
     fig.tight_layout()

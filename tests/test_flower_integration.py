@@ -105,3 +105,28 @@ def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flowe
     assert results["metrics"]["population_mse"] == pytest.approx(
         local["metrics"]["population_mse"], rel=1e-9)
     assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])
+
+
+def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env):
+    """Poisson-sampled tasks chosen on the nodes from the public seed, (q, d) releases."""
+    from fedpriv.config import RunConfig
+    from fedpriv.engine import run_in_process
+
+    settings = dict(algorithm="private-meta-cluster", meta_models=2, task_clusters=2,
+                    task_std=0.5, num_users=600, dim=12, epsilon=4.0, rounds=4,
+                    users_per_node=200, feature_dist="unit-ball", label_noise=0.5,
+                    clip_norm=1.0, learning_rate=5.0, meta_lambda=0.2, delta=1e-5)
+    results, proc = run_cli(flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    ledger = results["privacy"]["ledger"]
+    assert [e["mechanism"] for e in ledger] == ["poisson-sampled gaussian"] * 4
+    assert "transfer risk" in proc.stdout
+    local = run_in_process(RunConfig.from_mapping(
+        {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
+        log=lambda _: None)
+    assert [r["users_contributing"] for r in results["rounds"]] == [
+        r["users_contributing"] for r in local["rounds"]]
+    assert results["metrics"]["transfer_risk"] == pytest.approx(
+        local["metrics"]["transfer_risk"], rel=1e-9)
+    assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])
+    assert results["metrics"]["transfer_risk"] < results["metrics"]["local_risk"]

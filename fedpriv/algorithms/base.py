@@ -99,6 +99,8 @@ class Algorithm:
     private: ClassVar[bool] = True
     summary: ClassVar[str] = ""
     supports_user_groups: ClassVar[bool] = False  # may a step cover one user group only?
+    # feature families the algorithm's problem supports (the first is what 'auto' means)
+    feature_families: ClassVar[tuple[str, ...]] = ("gaussian", "rademacher", "uniform", "mixed")
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -117,6 +119,10 @@ class Algorithm:
         if cls.private and not config.clipping:
             raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true "
                               "(only the non-private baselines may turn it off)")
+        if config.feature_dist != "auto" and config.feature_dist not in cls.feature_families:
+            raise ConfigError(f"feature-dist: {cls.name} supports "
+                              f"{', '.join(cls.feature_families)} (or auto), not "
+                              f"{config.feature_dist!r}")
         if config.user_groups != 1 and not cls.supports_user_groups:
             raise ConfigError(f"user-groups: {cls.name} uses every user each round; "
                               "user-groups must be 1")
@@ -138,6 +144,12 @@ class Algorithm:
         if part.symmetric:
             return symmetric_gaussian_noise(part.shape[0], std, rng)
         return gaussian_noise(part.shape, std, rng)
+
+    def charge(self, step: Step) -> tuple[list[int] | None, float]:
+        """How the accountant charges the release of ``step``: the user groups whose data it
+        depends on (None: every user) and its Poisson sampling rate (1: no sampling). Default:
+        the step's own group, unsampled."""
+        return (None if step.group is None else [step.group]), 1.0
 
     def apply(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Update server state from the privatized means; returns metrics for the round report."""

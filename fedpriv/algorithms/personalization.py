@@ -40,7 +40,7 @@ def problem_of(config: Any) -> SyntheticProblem:
         rank=config.rank,
         samples_per_user=config.samples_per_user,
         label_noise=config.label_noise,
-        feature_dist=config.feature_dist,
+        feature_dist="gaussian" if config.feature_dist == "auto" else config.feature_dist,
         seed=config.seed,
     )
 

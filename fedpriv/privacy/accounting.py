@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -27,9 +29,11 @@ NEIGHBOURING_RELATIONS = ("add-remove", "replace-one")
 _RELATIONS = ("add-remove", "replace-one")
 
 
-# The calibrated scale mu = 1/s is searched in this range; tiny multipliers (< 0.2) make the PLD
-# grid enormous and are never useful for a private run.
-_MU_RANGE = (1e-4, 5.0)
+# Calibration searches mu = 1/scale (epsilon grows with mu) upwards from a 0.5-GDP plan; plans
+# that would need a multiplier below _MIN_MULTIPLIER are refused (never useful for a private run).
+_MU_FLOOR = 1e-6
+_MAX_DOUBLINGS = 40
+_MIN_MULTIPLIER = 0.05
 
 
 class InfeasiblePlanError(ValueError):
@@ -48,23 +52,42 @@ def mean_sensitivity(clip_norm: float, population: int, relation: str) -> float:
     return factor * clip_norm / population
 
 
-def make_accountant(kind: str, relation: str) -> dp_accounting.PrivacyAccountant:
+def make_accountant(
+    kind: str, relation: str, sampled: bool = False
+) -> dp_accounting.PrivacyAccountant:
     """A fresh dp-accounting accountant: PLD (tight, default) or RDP.
 
     The neighbouring relation enters through the L2 sensitivity the algorithm states (see
     ``mean_sensitivity``): a ``GaussianDpEvent`` here has ``noise_multiplier = std / Delta`` with
     Delta the largest distance between the released means of two neighbouring populations. The
     privacy loss of a Gaussian whose mean moves by at most Delta is the same whatever made it move,
-    so the accountant is always built with dp-accounting's ADD_OR_REMOVE_ONE relation, whose
-    unsampled Gaussian PLD is exactly that shift. (dp-accounting's REPLACE_ONE instead models a
-    shift of 2 x the per-record bound; using it on top of a replace-one Delta would count the
+    so without sampling the accountant is built with dp-accounting's ADD_OR_REMOVE_ONE relation,
+    whose unsampled Gaussian PLD is exactly that shift. (dp-accounting's REPLACE_ONE instead models
+    a shift of 2 x the per-record bound; using it on top of a replace-one Delta would count the
     factor 2 twice.)
+
+    Poisson sampling is different: whether the differing user is in the batch is itself random,
+    and replacing a user is not two independent shifts. A plan with sampled releases under
+    ``replace-one`` is therefore accounted with dp-accounting's own REPLACE_ONE PLD (the mixture
+    analysis), with every event's multiplier converted back to the per-user bound (see
+    ``_dp_event``). dp-accounting's RDP accountant has no Poisson analysis under REPLACE_ONE, so
+    that combination is refused. Sampled plans use a PLD grid of 1e-3 instead of 1e-4: the
+    estimate stays pessimistic (an upper bound); measured at T = 100 rounds, q in [0.05, 0.16]:
+    within 0.02% of the 1e-4 grid at a sixth of the cost.
     """
     if relation not in _RELATIONS:
         raise ValueError(f"neighbouring relation must be one of {NEIGHBOURING_RELATIONS}")
     shift = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if sampled and relation == "replace-one":
+        if kind == "rdp":
+            raise InfeasiblePlanError(
+                "the rdp accountant cannot account Poisson sampling under replace-one "
+                "(dp-accounting has no such analysis); use accountant = \"pld\" or "
+                "neighbouring-relation = \"add-remove\"")
+        shift = dp_accounting.NeighboringRelation.REPLACE_ONE
     if kind == "pld":
-        return pld.PLDAccountant(neighboring_relation=shift)
+        return pld.PLDAccountant(neighboring_relation=shift,
+                                 value_discretization_interval=1e-3 if sampled else 1e-4)
     if kind == "rdp":
         return rdp.RdpAccountant(neighboring_relation=shift)
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
@@ -74,23 +97,67 @@ def make_accountant(kind: str, relation: str) -> dp_accounting.PrivacyAccountant
 class PlannedRelease:
     """``count`` identical Gaussian releases that each user takes part in, each with ``weight``
     of the budget. Releases over disjoint user groups count once per user (parallel composition):
-    T rounds over T disjoint groups are ``count=1``."""
+    T rounds over T disjoint groups are ``count=1``. ``sampling_rate < 1``: each release uses a
+    Poisson sample of the users, each user independently with that probability (the sample is
+    secret: only the noisy sum is released)."""
 
     name: str
     weight: float
     count: int = 1
+    sampling_rate: float = 1.0
 
 
-def _plan_event(releases: Sequence[PlannedRelease], multipliers: Sequence[float]):
-    """The plan as the run will compose it: every release in order, one event each, so the
-    epsilon checked at calibration is exactly the one the run's accountant will report."""
-    return dp_accounting.ComposedDpEvent(
-        [
-            dp_accounting.GaussianDpEvent(z)
-            for r, z in zip(releases, multipliers, strict=True)
-            for _ in range(r.count)
-        ]
-    )
+# An accounted release: (noise multiplier z = std / Delta, Poisson sampling rate q).
+EventKey = tuple[float, float]
+
+
+def _dp_event(key: EventKey, relation: str, sampled_plan: bool) -> dp_accounting.DpEvent:
+    z, q = key
+    if sampled_plan and relation == "replace-one":
+        # REPLACE_ONE accountant: multiplier relative to the per-user bound (Delta / 2)
+        z = 2.0 * z
+    gaussian = dp_accounting.GaussianDpEvent(z)
+    return gaussian if q >= 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
+
+
+def composed_event(counts: Mapping[EventKey, int], relation: str) -> dp_accounting.DpEvent:
+    """The composition of ``counts[key]`` releases of each kind (order does not matter for the
+    composed privacy loss), as one dp-accounting event."""
+    sampled = any(q < 1.0 for _, q in counts)
+    return dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(_dp_event(key, relation, sampled), n)
+        for key, n in sorted(counts.items()) if n > 0
+    ])
+
+
+def epsilon_of(
+    counts: Mapping[EventKey, int], delta: float, kind: str = "pld",
+    relation: str = "add-remove",
+) -> float:
+    """Epsilon at ``delta`` of the composition described by ``counts``."""
+    if not any(counts.values()):
+        return 0.0
+    return _epsilon_cached(tuple(sorted((k, n) for k, n in counts.items() if n > 0)), delta,
+                           kind, relation)
+
+
+@lru_cache(maxsize=4096)
+def _epsilon_cached(items: tuple, delta: float, kind: str, relation: str) -> float:
+    counts = dict(items)
+    acc = make_accountant(kind, relation, sampled=any(q < 1.0 for _, q in counts))
+    acc.compose(composed_event(counts, relation))
+    return float(acc.get_epsilon(delta))
+
+
+def _plan_counts(releases: Sequence[PlannedRelease],
+                 multipliers: Sequence[float]) -> dict[EventKey, int]:
+    """The plan as the run will compose it, so the epsilon checked at calibration is exactly the
+    one the run's accountant will report."""
+    counts: dict[EventKey, int] = {}
+    for r, z in zip(releases, multipliers, strict=True):
+        key = (float(z), float(r.sampling_rate))
+        counts[key] = counts.get(key, 0) + r.count
+    return counts
 
 
 def plan_epsilon(
@@ -101,9 +168,7 @@ def plan_epsilon(
     relation: str = "add-remove",
 ) -> float:
     """Epsilon at ``delta`` of the whole plan with the given noise multipliers."""
-    acc = make_accountant(accountant, relation)
-    acc.compose(_plan_event(releases, multipliers))
-    return float(acc.get_epsilon(delta))
+    return epsilon_of(_plan_counts(releases, multipliers), delta, accountant, relation)
 
 
 def calibrate_gaussian_plan(
@@ -115,9 +180,12 @@ def calibrate_gaussian_plan(
 ) -> list[float]:
     """Noise multipliers, one per release group, so the plan spends at most (epsilon, delta).
 
-    Release ``j`` gets ``z_j = s / sqrt(w_j)`` with one scale ``s`` found by dp-accounting's
-    calibration; the result is checked and nudged up until the accountant confirms it does not
-    overshoot the target.
+    Release ``j`` gets ``z_j = s / sqrt(w_j)`` with one scale ``s``. Unsampled plans under the
+    PLD accountant are exactly mu-GDP, so ``s`` is solved from the closed form (dp-accounting's
+    PLD agrees with it to ~1e-9; bisecting PLDs instead cost up to 25 s at large epsilon);
+    otherwise ``s`` comes from dp-accounting's ``calibrate_dp_mechanism``. Either way the result
+    is checked with the composition the run will perform and nudged up until the accountant
+    confirms it does not overshoot the target.
     """
     if not releases:
         raise InfeasiblePlanError("a privacy plan needs at least one release")
@@ -125,36 +193,116 @@ def calibrate_gaussian_plan(
         raise InfeasiblePlanError(f"target must have epsilon > 0 and 0 < delta < 1, got "
                                   f"({epsilon}, {delta})")
     for r in releases:
-        if r.weight <= 0 or r.count < 1:
-            raise InfeasiblePlanError(f"release {r.name!r} needs weight > 0 and count >= 1")
+        if r.weight <= 0 or r.count < 1 or not 0 < r.sampling_rate <= 1:
+            raise InfeasiblePlanError(f"release {r.name!r} needs weight > 0, count >= 1 and a "
+                                      "sampling rate in (0, 1]")
 
     def multipliers(scale: float) -> list[float]:
         return [scale / math.sqrt(r.weight) for r in releases]
 
+    def _never_overshoot(scale: float) -> list[float]:
+        for _ in range(200):  # step the noise up until the accountant agrees
+            if plan_epsilon(releases, multipliers(scale), delta, accountant, relation) <= epsilon:
+                return multipliers(scale)
+            scale *= 1.0 + 1e-6
+        raise InfeasiblePlanError(f"could not calibrate a plan within epsilon={epsilon}")
+
     # Parametrize by mu = 1/scale so epsilon increases with the parameter.
     def event(mu: float):
-        return _plan_event(releases, multipliers(1.0 / max(mu, 1e-12)))
+        return composed_event(_plan_counts(releases, multipliers(1.0 / max(mu, 1e-12))),
+                              relation)
 
+    sampled = any(r.sampling_rate < 1.0 for r in releases)
+    make_accountant(accountant, relation, sampled)  # raises for an unsupported combination
+
+    def spent(mu: float) -> float:
+        return plan_epsilon(releases, multipliers(1.0 / mu), delta, accountant, relation)
+
+    # Bracket: start where the plan is 0.5-GDP and double mu until the target is exceeded, so
+    # the PLD is never built for noise far smaller than needed (tiny multipliers make its grid
+    # enormous: calibrating at 1e-4 grid from a fixed bracket cost seconds per plan).
+    if not sampled and accountant == "pld":
+        # Unsampled Gaussian plans are exactly mu-GDP and dp-accounting's PLD agrees with the
+        # closed form to ~1e-9: solve it, then let the accountant confirm (loop below).
+        scale = math.sqrt(sum(r.count * r.weight for r in releases)) / _gdp_mu(epsilon, delta)
+        if min(multipliers(scale)) < _MIN_MULTIPLIER:
+            raise InfeasiblePlanError(
+                f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
+                f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
+        return _never_overshoot(scale)
+
+    # The multiplier floor is checked before the accountant is asked: a huge epsilon target
+    # would otherwise double mu until the PLD grid exhausts memory. At the floor, the plan
+    # without sampling is exactly mu-GDP (sampling only lowers epsilon): if even that stays
+    # below the target, no multiplier above the floor can reach it.
+    floor_mu = math.sqrt(sum(r.count * r.weight for r in releases)) / (
+        _MIN_MULTIPLIER * math.sqrt(max(r.weight for r in releases)))
+    if _gdp_epsilon(floor_mu, delta) < epsilon:
+        raise InfeasiblePlanError(
+            f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
+            f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
+    lo, hi = _MU_FLOOR, 0.5 / math.sqrt(sum(r.count * r.weight for r in releases))
+    for _ in range(_MAX_DOUBLINGS):
+        if min(multipliers(1.0 / hi)) < _MIN_MULTIPLIER:
+            hi = None
+            break
+        if spent(hi) >= epsilon:
+            break
+        lo, hi = hi, 2.0 * hi
+    else:
+        hi = None
+    if hi is None:
+        raise InfeasiblePlanError(
+            f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
+            f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
     try:
         mu = calibrate_dp_mechanism(
-            lambda: make_accountant(accountant, relation),
+            lambda: make_accountant(accountant, relation, sampled),
             event,
             epsilon,
             delta,
-            bracket_interval=ExplicitBracketInterval(_MU_RANGE[0], _MU_RANGE[1]),
+            bracket_interval=ExplicitBracketInterval(lo, hi),
             tol=1e-7,
         )
     except ValueError as err:
         raise InfeasiblePlanError(
-            f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: the "
-            f"searched noise multipliers span [{1 / _MU_RANGE[1]:g}, {1 / _MU_RANGE[0]:g}]"
+            f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases"
         ) from err
-    scale = 1.0 / mu
-    for _ in range(200):  # never overshoot: step the noise up until the accountant agrees
-        if plan_epsilon(releases, multipliers(scale), delta, accountant, relation) <= epsilon:
-            return multipliers(scale)
-        scale *= 1.0 + 1e-6
-    raise InfeasiblePlanError(f"could not calibrate a plan within epsilon={epsilon}")
+    return _never_overshoot(1.0 / mu)
+
+
+def _gdp_delta(mu: float, eps: float) -> float:
+    """Delta at ``eps`` of a mu-GDP mechanism (Dong, Roth & Su 2019, Cor. 2.13)."""
+    from scipy.stats import norm
+
+    second = eps + norm.logcdf(-eps / mu - mu / 2)  # log of e^eps Phi(.), overflow-free
+    return float(norm.cdf(-eps / mu + mu / 2) - math.exp(min(second, 700.0)))
+
+
+def _gdp_mu(epsilon: float, delta: float) -> float:
+    """The mu at which a mu-GDP mechanism is exactly (epsilon, delta)-DP."""
+    from scipy.optimize import brentq
+
+    lo, hi = 1e-3, 1.0
+    while _gdp_delta(hi, epsilon) < delta:
+        lo, hi = hi, 2.0 * hi
+    return float(brentq(lambda mu: _gdp_delta(mu, epsilon) - delta, lo, hi, xtol=1e-12,
+                        rtol=1e-13))
+
+
+def _gdp_epsilon(mu: float, delta: float) -> float:
+    """Epsilon at ``delta`` of a mu-GDP mechanism."""
+    from scipy.optimize import brentq
+
+    def gap(eps: float) -> float:
+        return _gdp_delta(mu, eps) - delta
+
+    hi = 1.0
+    while gap(hi) > 0:
+        if hi > 1e4:
+            return math.inf
+        hi *= 2.0
+    return 0.0 if gap(0.0) <= 0 else brentq(gap, 0.0, hi, xtol=1e-9)
 
 
 class Accountant:
@@ -170,11 +318,10 @@ class Accountant:
         self.kind = kind
         self.relation = relation
         self.delta = delta
-        self._common: list[dp_accounting.DpEvent] = []
-        self._accountants: dict[int | None, dp_accounting.PrivacyAccountant] = {
-            None: make_accountant(kind, relation)
-        }
+        self._common: Counter[EventKey] = Counter()
+        self._groups: dict[int, Counter[EventKey]] = {}
         self._spent: dict[int | None, float] = {None: 0.0}
+        self._stale: set[int | None] = set()
         self.ledger: list[dict] = []
 
     def record(
@@ -183,34 +330,45 @@ class Accountant:
         noise_multiplier: float,
         parts: Sequence[dict] = (),
         group: int | None = None,
-    ) -> float:
+        *,
+        groups: Sequence[int] | None = None,
+        sampling_rate: float = 1.0,
+        evaluate: bool = True,
+    ) -> float | None:
         """Compose one Gaussian release and return the epsilon spent so far.
 
+        ``group``/``groups``: the disjoint user group(s) whose users the release depends on (a
+        tree-aggregation node covers several rounds' groups); None: every user. A user of one of
+        them is charged this release once. ``sampling_rate < 1``: a Poisson-subsampled release.
         ``parts`` describes the arrays released (name, l2_sensitivity, noise_std, ...); they are
-        saved in the ledger.
+        saved in the ledger. ``evaluate=False`` defers the epsilon computation (returns None and
+        leaves ``epsilon_spent`` None in the ledger): subsampled PLDs cost ~0.1 s each, so long
+        sampled runs evaluate at checkpoints only; ``epsilon()`` is always exact.
         """
-        event = dp_accounting.GaussianDpEvent(noise_multiplier)
-        if group is None:
-            self._common.append(event)
-            touched = list(self._accountants)
+        if not 0 < sampling_rate <= 1:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+        key = (float(noise_multiplier), float(sampling_rate))
+        if groups is None and group is not None:
+            groups = [group]
+        if groups is None:
+            self._common[key] += 1
+            self._stale.update(self._spent)
         else:
-            if group not in self._accountants:
-                acc = make_accountant(self.kind, self.relation)
-                for previous in self._common:
-                    acc.compose(previous)
-                self._accountants[group] = acc
-            touched = [group]
-        for key in touched:
-            self._accountants[key].compose(event)
-            self._spent[key] = float(self._accountants[key].get_epsilon(self.delta))
-        spent = self.epsilon()
-        entry = {
+            for g in groups:
+                self._groups.setdefault(int(g), Counter())[key] += 1
+                self._stale.add(int(g))
+        spent = self.epsilon() if evaluate else None
+        entry: dict = {
             "release": name,
-            "mechanism": "gaussian",
+            "mechanism": "gaussian" if sampling_rate >= 1 else "poisson-sampled gaussian",
             "noise_multiplier": noise_multiplier,
-            "user_group": group,
+            "user_group": groups[0] if groups is not None and len(groups) == 1 else None,
             "epsilon_spent": spent,
         }
+        if groups is not None and len(groups) > 1:
+            entry["user_groups"] = [int(g) for g in groups]
+        if sampling_rate < 1:
+            entry["sampling_rate"] = sampling_rate
         if len(parts) == 1:
             entry.update({k: v for k, v in parts[0].items() if k != "name"})
         elif parts:
@@ -218,8 +376,18 @@ class Accountant:
         self.ledger.append(entry)
         return spent
 
+    def counts(self, group: int | None = None) -> dict[EventKey, int]:
+        """The releases a user of ``group`` (None: a user in no group) has taken part in."""
+        counts = Counter(self._common)
+        if group is not None:
+            counts.update(self._groups.get(group, {}))
+        return dict(counts)
+
     def epsilon(self) -> float:
         """Largest epsilon (at ``delta``) any single user has spent so far."""
         if not self.ledger:
             return 0.0
+        for g in self._stale:
+            self._spent[g] = epsilon_of(self.counts(g), self.delta, self.kind, self.relation)
+        self._stale.clear()
         return max(self._spent.values())

@@ -11,7 +11,7 @@ import numpy as np
 
 def norms(values: np.ndarray) -> np.ndarray:
     """L2 (Frobenius) norm of each entry along the leading axis."""
-    flat = values.reshape(values.shape[0], -1)
+    flat = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))
     return np.sqrt(np.einsum("ij,ij->i", flat, flat))
 
 
