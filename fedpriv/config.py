@@ -100,6 +100,20 @@ FIELDS: tuple[Field, ...] = (
           "an integer >= 0"),
     Field("base-accuracy", float, 1e-6, "meta-learning: base learner stops at ||grad|| <= b, "
           "so ||w^ - w_h|| <= b/lambda", _positive, "a number > 0"),
+    Field("candidates", int, 2000, "a-exp: number of Haar-random candidate embeddings",
+          _positive, "an integer >= 1"),
+    Field("projected-feature-clip", float, 3.0, "a-exp: L2 clip L_f of the projected "
+          "features U^T x in the score", _positive, "a number > 0"),
+    Field("local-norm", float, 5.0, "a-exp: bound C on ||v|| in the score and the local fit",
+          _positive, "a number > 0"),
+    Field("jl-dim", int, 4, "jl-exp: JL target dimension k'", _positive, "an integer >= 1"),
+    Field("margin", float, 0.1, "jl-exp: margin rho of the data and of the score's margin "
+          "loss", _positive, "a number > 0"),
+    Field("cover-radius", float, 0.25, "jl-exp: gamma of the grid cover of the Frobenius "
+          "ball", _positive, "a number > 0"),
+    Field("max-score-evaluations", float, 2e8, "exponential mechanisms: refuse runs that "
+          "would score more than this many (candidate, user) pairs", _positive,
+          "a number > 0"),
     Field("clipping", bool, True, "clip per-user contributions (private algorithms need it; "
           "false only for the non-private baselines)"),
     Field("batch-size", str, "max", "'max', 'paper' or an integer b",
@@ -165,6 +179,13 @@ class RunConfig:
     feature_clip: float
     response_clip: float
     cov_budget_share: float
+    candidates: int
+    projected_feature_clip: float
+    local_norm: float
+    jl_dim: int
+    margin: float
+    cover_radius: float
+    max_score_evaluations: float
     task_loss: str
     task_clusters: int
     task_mean: float

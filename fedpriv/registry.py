@@ -26,6 +26,7 @@ def register(cls: type) -> type:
 def _load_builtins() -> None:
     # the built-in algorithms register themselves on import
     import fedpriv.algorithms.baselines  # noqa: F401
+    import fedpriv.algorithms.exp_mech  # noqa: F401
     import fedpriv.algorithms.meta  # noqa: F401
     import fedpriv.algorithms.priv_altmin  # noqa: F401
     import fedpriv.algorithms.private_fedrep  # noqa: F401

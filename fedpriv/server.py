@@ -23,7 +23,9 @@ from fedpriv.privacy.accounting import (
     InfeasiblePlanError,
     calibrate_gaussian_plan,
     mean_sensitivity,
+    pure_plan_epsilons,
 )
+from fedpriv.privacy.mechanisms import exponential_mechanism
 from fedpriv.randomness import server_generator
 from fedpriv.registry import get_algorithm
 
@@ -51,7 +53,11 @@ class PrivateServer:
         self.algorithm = get_algorithm(c.algorithm)(c)
         self.plan = self.algorithm.privacy_plan()
         z = _calibrate(c, self.plan) if self.plan else []
-        self.multipliers = {r.name: zi for r, zi in zip(self.plan, z, strict=True)}
+        # Gaussian plans: noise multiplier per release; pure plans: epsilon per release
+        self.pure = bool(self.plan) and all(r.mechanism == "exponential" for r in self.plan)
+        values = {r.name: zi for r, zi in zip(self.plan, z, strict=True)}
+        self.multipliers = {} if self.pure else values
+        self.pure_epsilons = values if self.pure else {}
         self.accountant = Accountant(c.accountant, c.neighbouring_relation, c.delta)
         self.rejections: Counter[str] = Counter()
         self.bounded = 0
@@ -134,11 +140,17 @@ class PrivateServer:
         return accepted
 
     def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution]) -> np.ndarray:
-        """Sum of node totals, each scaled to norm <= users * clip (the trusted-node bound)."""
+        """Sum of node totals, each scaled to norm <= users * clip (the trusted-node bound);
+        score vectors (exponential mechanism) are clamped entrywise to [0, users * bound]."""
         total = np.zeros(part.shape)
         for contrib in accepted:
             value = np.asarray(contrib.totals[part.name], dtype=np.float64)
             bound = contrib.num_users * part.clip_norm
+            if part.mechanism == "exponential":
+                clamped = np.clip(value, 0.0, bound)
+                self.bounded += int(not np.array_equal(clamped, value))
+                total += clamped
+                continue
             norm = float(np.linalg.norm(value))
             if norm > bound * (1.0 + 1e-9):
                 self.bounded += 1
@@ -178,6 +190,8 @@ class PrivateServer:
         """Noisy population means of the step's parts, applied and (if private) accounted."""
         c = self.config
         population = step.population or c.num_users
+        if step.parts[0].mechanism == "exponential":
+            return self._select(step, accepted, population)
         means: dict[str, np.ndarray] = {}
         ledger_parts = []
         z = self.multipliers[step.release] if step.release is not None else None
@@ -206,6 +220,30 @@ class PrivateServer:
                 report["epsilon_spent"] = spent
         return report
 
+    def _select(self, step: Step, accepted: Sequence[UserContribution],
+                population: int) -> dict[str, Any]:
+        """The exponential mechanism over the candidates' mean scores (lower is better)."""
+        (part,) = step.parts
+        scores = self._bounded_sum(part, accepted) / population
+        if step.release is None:  # non-private: the best candidate
+            self._unnoised += 1
+            choice = int(np.argmin(scores))
+            return dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
+        epsilon = self.pure_epsilons[step.release]
+        # one user moves each mean score by at most bound / population, under either relation
+        # (add/remove with the population fixed: a removed user's scores are 0)
+        sensitivity = part.clip_norm / population
+        rng = server_generator(self.config.seed, self._releases)
+        self._releases += 1
+        choice = exponential_mechanism(scores, epsilon, sensitivity, rng)
+        report = dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
+        spent = self.accountant.record_pure(step.label, epsilon, {
+            "candidates": int(np.prod(part.shape)), "score_sensitivity": sensitivity,
+            "chosen": choice, "chosen_score": float(scores[choice]),
+            "best_score": float(scores.min())})
+        report["epsilon_spent"] = spent
+        return report
+
     def results(self, wall_time_s: float, runtime: str) -> dict:
         c = self.config
         return {
@@ -219,7 +257,8 @@ class PrivateServer:
                 # None: sums were released without noise (a non-private baseline)
                 "epsilon": self.accountant.epsilon() if self._unnoised == 0 else None,
                 "target_epsilon": c.epsilon,
-                "delta": c.delta,
+                # pure epsilon-DP runs (exponential mechanism): delta 0
+                "delta": 0.0 if self.pure else c.delta,
                 "accountant": c.accountant,
                 "neighbouring_relation": c.neighbouring_relation,
                 "level": "user",
@@ -240,7 +279,8 @@ def _progress_line(report: dict, total_steps: int, done: int) -> str:
     if "epsilon_spent" in report:
         parts.append(f"epsilon_spent={report['epsilon_spent']:.4f}")
     for key in ("subspace_distance", "population_mse", "test_mse", "local_only_mse",
-                "meta_model_norm", "transfer_risk", "local_risk", "cluster_purity"):
+                "meta_model_norm", "transfer_risk", "local_risk", "cluster_purity",
+                "test_accuracy", "local_only_accuracy"):
         if key in report:
             parts.append(f"{key}={report[key]:.4g}")
     if report["step"] != "final":
@@ -259,6 +299,10 @@ def summary_lines(results: dict) -> list[str]:
                    f"   local training {m['local_risk']:.4g}")
         if "cluster_purity" in m:
             quality += f"   cluster purity {m['cluster_purity']:.3f}"
+    elif "test_accuracy" in m:  # classification
+        quality = (f"  test accuracy {m['test_accuracy']:.4f}   each user alone "
+                   f"{m['local_only_accuracy']:.4f}   known embedding "
+                   f"{m['known_embedding_accuracy']:.4f}")
     else:
         quality = (f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
                    f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
@@ -280,6 +324,10 @@ def _privacy_line(p: dict) -> str:
         return "  privacy: none (a non-private baseline: sums released without noise)"
     if not p["ledger"]:
         return "  privacy: nothing released from user data (epsilon 0)"
+    if p["delta"] == 0.0:
+        return (f"  privacy: pure epsilon-DP, epsilon spent {p['epsilon']:.4f} (target "
+                f"{p['target_epsilon']}), exponential mechanism, {p['neighbouring_relation']} "
+                "user-level")
     return (f"  privacy: epsilon spent {p['epsilon']:.4f} (target {p['target_epsilon']}), "
             f"delta {p['delta']:g}, {p['accountant'].upper()} accountant, "
             f"{p['neighbouring_relation']} user-level")
@@ -287,6 +335,8 @@ def _privacy_line(p: dict) -> str:
 
 def _calibrate(config: RunConfig, plan) -> list[float]:
     try:
+        if any(r.mechanism == "exponential" for r in plan):
+            return pure_plan_epsilons(plan, config.epsilon)
         return calibrate_gaussian_plan(plan, config.epsilon, config.delta, config.accountant,
                                        config.neighbouring_relation)
     except InfeasiblePlanError as err:

@@ -9,6 +9,7 @@
     # x = "num-users"                       # optional: plot against this run-config key ...
     # x-values = [500, 2000, 10000]         # ... at these values, one curve per (series, eps)
     # x-label = "number of tasks K"         # optional axis label (default: the key)
+    # log-y = false                         # linear metric axis (default: log scale)
     # subtitle = "d=30, ..."                # optional second title line
 
     [base]                                  # run-config keys shared by every run
@@ -51,7 +52,7 @@ from fedpriv.privacy.accounting import InfeasiblePlanError
 
 METRIC = "population_mse"  # the default metric
 _SWEEP_KEYS = ("name", "title", "subtitle", "epsilons", "seeds", "metric", "x", "x-values",
-               "x-label")
+               "x-label", "log-y")
 _SET_BY_SWEEP = ("epsilon", "seed", "algorithm")
 
 
@@ -86,6 +87,7 @@ class SweepSpec:
     x_values: list[float] = field(default_factory=list)
     subtitle: str | None = None
     x_label: str | None = None
+    log_y: bool = True
 
 
 def _slug(text: str) -> str:
@@ -186,7 +188,15 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
     return SweepSpec(name, str(sweep.get("title", name)), [float(e) for e in epsilons], seeds,
                      base, series, runs, source, metric, x_key,
                      [float(v) for v in x_values], None if subtitle is None else str(subtitle),
-                     str(sweep["x-label"]) if "x-label" in sweep else None)
+                     str(sweep["x-label"]) if "x-label" in sweep else None,
+                     _flag(sweep, "log-y", True))
+
+
+def _flag(sweep: dict[str, Any], key: str, default: bool) -> bool:
+    value = sweep.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"[sweep] {key}: expected true or false, got {value!r}")
+    return value
 
 
 def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -450,7 +460,8 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
             ax.plot(eps, mean, marker=next(markers, "o"), linewidth=1.8, color=color,
                     label=series)
             ax.fill_between(eps, low, high, color=color, alpha=0.18, linewidth=0)
-    ax.set_yscale("log")
+    if spec.log_y:
+        ax.set_yscale("log")
     # plain numbers on the log axis (not 4x10^0), minor ticks labelled only on a narrow range
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(plain)
@@ -459,8 +470,13 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
     ax.yaxis.set_minor_formatter(plain if narrow else matplotlib.ticker.NullFormatter())
     if spec.x == "epsilon":
         lo, hi = min(spec.epsilons), max(spec.epsilons)
-        ax.set_xlim(lo - 0.03 * (hi - lo + 1), hi + 0.03 * (hi - lo + 1))
-        ax.set_xticks(spec.epsilons)
+        if hi >= 10 * lo:  # a wide range of epsilons: log scale, plain tick labels
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlim(lo / 1.25, hi * 1.25)
+        else:
+            ax.set_xlim(lo - 0.03 * (hi - lo + 1), hi + 0.03 * (hi - lo + 1))
+        ax.set_xticks(spec.epsilons, [f"{e:g}" for e in spec.epsilons])
         ax.set_xlabel(r"user-level $\varepsilon$")
     else:
         if min(spec.x_values) > 0:
@@ -468,8 +484,8 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(spec.x_values, [f"{v:g}" for v in spec.x_values])
         ax.set_xlabel(spec.x_label or spec.x)
-    ax.set_ylabel(f"{_metric_label(metric)} (log scale)")
-    subtitle = textwrap.fill(f"{_subtitle(spec)}, {len(spec.seeds)} seeds (band: min–max)", 110)
+    ax.set_ylabel(f"{_metric_label(metric)}{' (log scale)' if spec.log_y else ''}")
+    subtitle = textwrap.fill(f"{_subtitle(spec)}, {len(spec.seeds)} seeds (band: min–max)", 95)
     ax.set_title(f"{spec.title}\n{subtitle}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), framealpha=0.9)

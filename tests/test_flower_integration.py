@@ -130,3 +130,24 @@ def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env
         local["metrics"]["transfer_risk"], rel=1e-9)
     assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])
     assert results["metrics"]["transfer_risk"] < results["metrics"]["local_risk"]
+
+
+def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flower_env):
+    """The exponential mechanism over Flower: each SuperNode scores every candidate for its
+    users, the strategy samples; identical to the in-process run, pure epsilon in the ledger."""
+    from fedpriv.config import RunConfig
+    from fedpriv.engine import run_in_process
+
+    settings = dict(algorithm="a-exp", num_users=600, dim=8, rank=1, samples_per_user=6,
+                    label_noise=0.1, epsilon=1.0, candidates=3000, users_per_node=200)
+    results, proc = run_cli(flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    (entry,) = results["privacy"]["ledger"]
+    assert entry["mechanism"] == "exponential" and results["privacy"]["delta"] == 0.0
+    assert "pure epsilon-DP" in proc.stdout
+    local = run_in_process(RunConfig.from_mapping(
+        {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
+        log=lambda _: None)
+    assert entry["chosen"] == local["privacy"]["ledger"][0]["chosen"]
+    assert results["metrics"]["population_mse"] == pytest.approx(
+        local["metrics"]["population_mse"], rel=1e-9)

@@ -38,6 +38,11 @@ class Part:
     ``clip_norm`` is the L2 (Frobenius) bound on one user's contribution to the sum (``inf``: no
     bound, non-private steps only); ``share`` is the part's share of the step's privacy loss;
     ``symmetric`` asks for symmetric noise on a symmetric square statistic.
+
+    ``mechanism = "exponential"``: the part is a vector of candidate scores (lower is better),
+    each user's score of every candidate in ``[0, clip_norm]``; the server samples one candidate
+    with the exponential mechanism (sensitivity ``clip_norm / population``) and hands its index
+    to ``apply`` as ``{"choice": index}`` instead of a noisy mean.
     """
 
     name: str
@@ -45,6 +50,7 @@ class Part:
     clip_norm: float
     share: float = 1.0
     symmetric: bool = False
+    mechanism: str = "gaussian"
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class Step:
     def from_json(cls, text: str) -> Step:
         raw = json.loads(text)
         parts = tuple(Part(p["name"], tuple(p["shape"]), float(p["clip_norm"]),
-                           float(p["share"]), bool(p["symmetric"])) for p in raw["parts"])
+                           float(p["share"]), bool(p["symmetric"]),
+                           str(p.get("mechanism", "gaussian"))) for p in raw["parts"])
         return cls(raw["kind"], int(raw["index"]), raw["release"], parts, raw["population"],
                    raw["group"])
 

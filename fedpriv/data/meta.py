@@ -79,16 +79,18 @@ def cluster_centers(problem: MetaProblem) -> np.ndarray:
     return centers
 
 
-def _normals(seed: int, purpose: int, stream: int, ids: np.ndarray, count: int) -> np.ndarray:
+def counter_normals(seed: int, purpose: int, stream: int, ids: np.ndarray,
+                    count: int) -> np.ndarray:
     """Standard normals (n, count) by Box-Muller from counter-based uniforms."""
     u = user_uniforms(seed, purpose, stream, ids, 2 * count)
     radius = np.sqrt(-2.0 * np.log1p(-u[:, :count]))  # 1 - u in (0, 1]: finite
     return radius * np.cos(2.0 * np.pi * u[:, count:])
 
 
-def _unit_ball(seed: int, purpose: int, stream: int, ids: np.ndarray, m: int,
-               d: int) -> np.ndarray:
-    g = _normals(seed, purpose, stream, ids, m * d).reshape(len(ids), m, d)
+def unit_ball_points(seed: int, purpose: int, stream: int, ids: np.ndarray, m: int,
+                     d: int) -> np.ndarray:
+    """``m`` points uniform in the d-dimensional unit ball per id, (n, m, d)."""
+    g = counter_normals(seed, purpose, stream, ids, m * d).reshape(len(ids), m, d)
     r = user_uniforms(seed, purpose + 0x100, stream, ids, m) ** (1.0 / d)
     norms = np.linalg.norm(g, axis=2, keepdims=True)
     return g / np.maximum(norms, 1e-300) * r[:, :, None]
@@ -111,13 +113,15 @@ def generate_tasks(problem: MetaProblem, task_ids: np.ndarray, fresh: bool = Fal
                               * problem.clusters).astype(np.int64), problem.clusters - 1)
     else:
         cluster = np.zeros(n, dtype=np.int64)
-    vectors = centers[cluster] + problem.task_std * _normals(seed, _P_TASK, stream, ids, d)
+    vectors = centers[cluster] + problem.task_std * counter_normals(seed, _P_TASK, stream, ids,
+                                                                    d)
     purpose = _P_POINTS if test_samples is None else _P_TEST
     m = problem.samples_per_task if test_samples is None else int(test_samples)
-    x = _unit_ball(seed, purpose, stream, ids, m, d)
+    x = unit_ball_points(seed, purpose, stream, ids, m, d)
     margin = np.einsum("nmd,nd->nm", x, vectors)
     if problem.loss == "squared":
-        y = margin + problem.label_noise * _normals(seed, purpose + 0x300, stream, ids, m)
+        y = margin + problem.label_noise * counter_normals(seed, purpose + 0x300, stream, ids,
+                                                            m)
     else:
         u = user_uniforms(seed, purpose + 0x300, stream, ids, m)
         y = np.where(u < 1.0 / (1.0 + np.exp(-margin)), 1.0, -1.0)

@@ -9,6 +9,11 @@
   the composed plan meets the target (epsilon, delta), and checked to never overshoot it.
 * ``Accountant`` composes the releases as they happen and keeps a ledger with the epsilon spent
   after each one.
+* A release may instead be **pure epsilon-DP** (the exponential mechanism). A plan of pure
+  releases splits epsilon by the same weights; dp-accounting composes them as PLDs of pure DP
+  (its ``from_privacy_parameters``: the worst case of any epsilon-DP mechanism) and reports the
+  epsilon at delta = 0. dp-accounting has no pure-DP event for its accountants, and pure and
+  Gaussian releases are not mixed in one plan (no algorithm needs it; such a plan is refused).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from functools import lru_cache
 
 import dp_accounting
 from dp_accounting import pld, rdp
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -93,22 +100,33 @@ def make_accountant(
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
 
 
+MECHANISMS = ("gaussian", "exponential")
+
+
 @dataclass(frozen=True)
 class PlannedRelease:
     """``count`` identical Gaussian releases that each user takes part in, each with ``weight``
     of the budget. Releases over disjoint user groups count once per user (parallel composition):
     T rounds over T disjoint groups are ``count=1``. ``sampling_rate < 1``: each release uses a
     Poisson sample of the users, each user independently with that probability (the sample is
-    secret: only the noisy sum is released)."""
+    secret: only the noisy sum is released). ``mechanism = "exponential"``: a pure epsilon-DP
+    release (its epsilon is ``weight`` of the target, over the plan's total weight)."""
 
     name: str
     weight: float
     count: int = 1
     sampling_rate: float = 1.0
+    mechanism: str = "gaussian"
 
 
-# An accounted release: (noise multiplier z = std / Delta, Poisson sampling rate q).
+# An accounted release: (noise multiplier z = std / Delta, Poisson sampling rate q) for a
+# Gaussian release; (epsilon, 0.0) for a pure epsilon-DP release (rate 0 marks it).
 EventKey = tuple[float, float]
+PURE = 0.0
+
+
+def _is_pure(key: EventKey) -> bool:
+    return key[1] == PURE
 
 
 def _dp_event(key: EventKey, relation: str, sampled_plan: bool) -> dp_accounting.DpEvent:
@@ -137,6 +155,12 @@ def epsilon_of(
     """Epsilon at ``delta`` of the composition described by ``counts``."""
     if not any(counts.values()):
         return 0.0
+    live = [k for k, n in counts.items() if n > 0]
+    if any(map(_is_pure, live)):
+        if not all(map(_is_pure, live)):
+            raise InfeasiblePlanError("pure epsilon-DP and Gaussian releases cannot be mixed in "
+                                      "one run")
+        return _pure_epsilon_cached(tuple(sorted((k[0], counts[k]) for k in live)))
     return _epsilon_cached(tuple(sorted((k, n) for k, n in counts.items() if n > 0)), delta,
                            kind, relation)
 
@@ -147,6 +171,32 @@ def _epsilon_cached(items: tuple, delta: float, kind: str, relation: str) -> flo
     acc = make_accountant(kind, relation, sampled=any(q < 1.0 for _, q in counts))
     acc.compose(composed_event(counts, relation))
     return float(acc.get_epsilon(delta))
+
+
+@lru_cache(maxsize=256)
+def _pure_epsilon_cached(items: tuple) -> float:
+    """Epsilon at delta = 0 of composed pure-DP releases, by dp-accounting's PLDs."""
+    composed = None
+    for eps, n in items:
+        one = pld_lib.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(eps, 0.0))
+        part = one.self_compose(n)
+        composed = part if composed is None else composed.compose(part)
+    return float(composed.get_epsilon_for_delta(0.0))
+
+
+def pure_plan_epsilons(releases: Sequence[PlannedRelease], epsilon: float) -> list[float]:
+    """Per-release epsilons of a pure plan: ``epsilon * w_j / sum(count * w)`` (pure DP composes
+    additively at delta = 0), confirmed by the accountant."""
+    if not releases or any(r.mechanism != "exponential" for r in releases):
+        raise InfeasiblePlanError("a pure plan holds exponential-mechanism releases only")
+    if epsilon <= 0 or any(r.weight <= 0 or r.count < 1 for r in releases):
+        raise InfeasiblePlanError("a pure plan needs epsilon > 0 and weights > 0")
+    total = sum(r.count * r.weight for r in releases)
+    split = [epsilon * r.weight / total for r in releases]
+    spent = epsilon_of({(e, PURE): r.count for r, e in zip(releases, split, strict=True)}, 0.0)
+    if spent > epsilon * (1 + 1e-9):
+        raise InfeasiblePlanError(f"the pure plan spends {spent} > epsilon={epsilon}")
+    return split
 
 
 def _plan_counts(releases: Sequence[PlannedRelease],
@@ -189,6 +239,9 @@ def calibrate_gaussian_plan(
     """
     if not releases:
         raise InfeasiblePlanError("a privacy plan needs at least one release")
+    if any(r.mechanism != "gaussian" for r in releases):
+        raise InfeasiblePlanError("a Gaussian plan cannot hold exponential-mechanism releases "
+                                  "(see pure_plan_epsilons)")
     if epsilon <= 0 or not 0 < delta < 1:
         raise InfeasiblePlanError(f"target must have epsilon > 0 and 0 < delta < 1, got "
                                   f"({epsilon}, {delta})")
@@ -376,6 +429,25 @@ class Accountant:
         self.ledger.append(entry)
         return spent
 
+    def record_pure(self, name: str, epsilon: float, details: dict | None = None) -> float:
+        """Compose one pure epsilon-DP release that every user takes part in (the exponential
+        mechanism); returns the epsilon spent so far (at delta = 0)."""
+        if not epsilon > 0:
+            raise ValueError(f"epsilon must be > 0, got {epsilon}")
+        self._common[(float(epsilon), PURE)] += 1
+        self._stale.update(self._spent)
+        spent = self.epsilon()
+        self.ledger.append({"release": name, "mechanism": "exponential", "epsilon": epsilon,
+                            "delta": 0.0, "user_group": None, "epsilon_spent": spent,
+                            **(details or {})})
+        return spent
+
+    @property
+    def pure(self) -> bool:
+        """Every release so far is pure epsilon-DP (the epsilon is then at delta = 0)."""
+        keys = list(self._common) + [k for g in self._groups.values() for k in g]
+        return bool(keys) and all(map(_is_pure, keys))
+
     def counts(self, group: int | None = None) -> dict[EventKey, int]:
         """The releases a user of ``group`` (None: a user in no group) has taken part in."""
         counts = Counter(self._common)
@@ -385,7 +457,7 @@ class Accountant:
 
     def epsilon(self) -> float:
         """Largest epsilon (at ``delta``) any single user has spent so far."""
-        if not self.ledger:
+        if not self._common and not self._groups:
             return 0.0
         for g in self._stale:
             self._spent[g] = epsilon_of(self.counts(g), self.delta, self.kind, self.relation)

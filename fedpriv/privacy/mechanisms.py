@@ -57,3 +57,28 @@ def symmetric_gaussian_noise(dim: int, std: float, rng: np.random.Generator) -> 
     """
     upper = np.triu(rng.standard_normal((dim, dim)) * std)
     return upper + np.triu(upper, 1).T
+
+
+def exponential_log_weights(scores: np.ndarray, epsilon: float,
+                            sensitivity: float) -> np.ndarray:
+    """Log-probabilities (normalized, by log-sum-exp) of the exponential mechanism that prefers
+    *low* scores: ``P(c) ~ exp(-epsilon * score_c / (2 * sensitivity))``. Epsilon-DP when one
+    user moves every score by at most ``sensitivity``."""
+    if not epsilon > 0 or not sensitivity > 0:
+        raise ValueError(f"epsilon and sensitivity must be > 0, got {epsilon}, {sensitivity}")
+    logits = -epsilon * np.asarray(scores, dtype=np.float64) / (2.0 * sensitivity)
+    top = logits.max()
+    return logits - (top + np.log(np.exp(logits - top).sum()))
+
+
+def exponential_mechanism(scores: np.ndarray, epsilon: float, sensitivity: float,
+                          rng: np.random.Generator) -> int:
+    """One draw of the exponential mechanism (low scores preferred) by the Gumbel-max trick:
+    ``argmax_c (logit_c + G_c)`` with i.i.d. standard Gumbel ``G_c`` has exactly the softmax
+    distribution, and never exponentiates a logit (no overflow however large the scores)."""
+    if not epsilon > 0 or not sensitivity > 0:
+        raise ValueError(f"epsilon and sensitivity must be > 0, got {epsilon}, {sensitivity}")
+    logits = -epsilon * np.asarray(scores, dtype=np.float64) / (2.0 * sensitivity)
+    if not np.all(np.isfinite(logits)):
+        raise ValueError("exponential mechanism: non-finite scores")
+    return int(np.argmax(logits + rng.gumbel(size=logits.shape)))
