@@ -485,7 +485,7 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
         ax.set_xticks(spec.x_values, [f"{v:g}" for v in spec.x_values])
         ax.set_xlabel(spec.x_label or spec.x)
     ax.set_ylabel(f"{_metric_label(metric)}{' (log scale)' if spec.log_y else ''}")
-    subtitle = textwrap.fill(f"{_subtitle(spec)}, {len(spec.seeds)} seeds (band: min–max)", 95)
+    subtitle = textwrap.fill(f"{_subtitle(spec)}, {len(spec.seeds)} seeds (band: min–max)", 80)
     ax.set_title(f"{spec.title}\n{subtitle}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), framealpha=0.9)
