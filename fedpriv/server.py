@@ -237,10 +237,10 @@ class PrivateServer:
         self._releases += 1
         choice = exponential_mechanism(scores, epsilon, sensitivity, rng)
         report = dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
+        # only what the mechanism releases (the index): the exact scores are not released
         spent = self.accountant.record_pure(step.label, epsilon, {
             "candidates": int(np.prod(part.shape)), "score_sensitivity": sensitivity,
-            "chosen": choice, "chosen_score": float(scores[choice]),
-            "best_score": float(scores.min())})
+            "chosen": choice})
         report["epsilon_spent"] = spent
         return report
 

@@ -69,6 +69,15 @@ def test_infeasible_plans_are_refused():
         calibrate_gaussian_plan([PlannedRelease("x", 1.0)], -1.0, 1e-6)
 
 
+def test_tiny_and_floor_targets_calibrate_or_are_refused_cleanly():
+    z = calibrate_gaussian_plan([PlannedRelease("x", 1.0)], 1e-3, 1e-5)
+    assert plan_epsilon([PlannedRelease("x", 1.0)], z, 1e-5) <= 1e-3
+    # a sampled plan whose target is met only near the multiplier floor is still calibrated
+    plan = [PlannedRelease("r", 1.0, 1, sampling_rate=0.5)]
+    z = calibrate_gaussian_plan(plan, 20.0, 1e-5)
+    assert 0.05 <= z[0] and plan_epsilon(plan, z, 1e-5) <= 20.0
+
+
 def test_sensitivity_follows_the_neighbouring_relation():
     assert mean_sensitivity(2.0, 100, "add-remove") == pytest.approx(0.02)
     assert mean_sensitivity(2.0, 100, "replace-one") == pytest.approx(0.04)

@@ -143,6 +143,16 @@ def test_pure_releases_are_accounted_as_pure_epsilon_dp():
     plan = [PlannedRelease("a", 1.0, mechanism="exponential"),
             PlannedRelease("b", 3.0, 2, mechanism="exponential")]
     assert pure_plan_epsilons(plan, 1.4) == pytest.approx([0.2, 0.6])
+    assert pure_plan_epsilons([PlannedRelease("c", 1.0, 12, mechanism="exponential")], 1.0)
+    for _ in range(10):  # many releases and odd epsilons stay exact
+        acc.record_pure("more", 0.12345)
+    assert acc.epsilon() == pytest.approx(1.0 + 1.2345, abs=1e-12)
+    # independent check: dp-accounting's PLD of pure DP composes to the same epsilon at delta 0
+    from dp_accounting.pld import common, privacy_loss_distribution as pld
+
+    one = pld.from_privacy_parameters(common.DifferentialPrivacyParameters(0.25, 0.0))
+    assert one.self_compose(3).get_epsilon_for_delta(0.0) == pytest.approx(
+        epsilon_of({(0.25, 0.0): 3}, 0.0), abs=1e-3)
     with pytest.raises(InfeasiblePlanError):
         calibrate_gaussian_plan(plan, 1.0, 1e-6)
     with pytest.raises(InfeasiblePlanError, match="mixed"):
@@ -172,11 +182,14 @@ def test_a_hostile_score_vector_is_clamped_to_its_users_range():
     step = server.steps()[0]
     honest = UserContribution({"scores": np.full(50, 1.0) * 300}, 300)
     hostile = UserContribution({"scores": np.where(np.arange(50) == 7, -1e9, 1e9)}, 300)
+    total = server._bounded_sum(step.parts[0], [honest, hostile])
+    # clamped to [0, 300 users * B = 1200]: candidate 7 can look better by at most 1200 / 600
+    assert total[7] == 300 and np.all(np.delete(total, 7) == 300 + 1200)
+    assert server.bounded == 1
     report = server.aggregate(step, [NodeReply(0, honest), NodeReply(1, hostile)], 0.0)
-    assert server.bounded == 1 and report["nodes_answered"] == 2
-    # clamped to [0, 300 * 4]: candidate 7 looks best by at most 300 * 4 / 600 = 2
-    entry = server.accountant.ledger[0]
-    assert entry["best_score"] == pytest.approx((300 + 0) / 600)
+    assert server.bounded == 2 and report["nodes_answered"] == 2
+    assert set(server.accountant.ledger[0]) >= {"chosen", "epsilon", "delta"}
+    assert not {"best_score", "chosen_score"} & set(server.accountant.ledger[0])
 
 
 # ----- what the issue judges ----------------------------------------------------------------------

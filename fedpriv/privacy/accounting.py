@@ -10,10 +10,10 @@
 * ``Accountant`` composes the releases as they happen and keeps a ledger with the epsilon spent
   after each one.
 * A release may instead be **pure epsilon-DP** (the exponential mechanism). A plan of pure
-  releases splits epsilon by the same weights; dp-accounting composes them as PLDs of pure DP
-  (its ``from_privacy_parameters``: the worst case of any epsilon-DP mechanism) and reports the
-  epsilon at delta = 0. dp-accounting has no pure-DP event for its accountants, and pure and
-  Gaussian releases are not mixed in one plan (no algorithm needs it; such a plan is refused).
+  releases splits epsilon by the same weights; pure releases compose additively at delta = 0
+  (tight), which is what is reported. dp-accounting has no pure-DP event for its accountants
+  (its ``RandomizedResponseDpEvent`` requires REPLACE_ONE), and pure and Gaussian releases are
+  not mixed in one plan (no algorithm needs it; such a plan is refused).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from functools import lru_cache
 
 import dp_accounting
 from dp_accounting import pld, rdp
-from dp_accounting.pld import common as pld_common
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -173,15 +171,12 @@ def _epsilon_cached(items: tuple, delta: float, kind: str, relation: str) -> flo
     return float(acc.get_epsilon(delta))
 
 
-@lru_cache(maxsize=256)
 def _pure_epsilon_cached(items: tuple) -> float:
-    """Epsilon at delta = 0 of composed pure-DP releases, by dp-accounting's PLDs."""
-    composed = None
-    for eps, n in items:
-        one = pld_lib.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(eps, 0.0))
-        part = one.self_compose(n)
-        composed = part if composed is None else composed.compose(part)
-    return float(composed.get_epsilon_for_delta(0.0))
+    """Epsilon at delta = 0 of composed pure-DP releases: exactly their sum (pure DP composes
+    additively at delta = 0, and the sum is attained by randomized response, so it is tight).
+    dp-accounting's PLD of pure DP agrees up to its grid (tested); it is not used here because
+    its grid rounds every epsilon up and ten or more compositions leave mass at infinity."""
+    return float(sum(eps * n for eps, n in items))
 
 
 def pure_plan_epsilons(releases: Sequence[PlannedRelease], epsilon: float) -> list[float]:
@@ -294,14 +289,15 @@ def calibrate_gaussian_plan(
         raise InfeasiblePlanError(
             f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
             f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
-    lo, hi = _MU_FLOOR, 0.5 / math.sqrt(sum(r.count * r.weight for r in releases))
+    mu_max = 1.0 / (_MIN_MULTIPLIER * math.sqrt(max(r.weight for r in releases)))
+    lo, hi = _MU_FLOOR, min(0.5 / math.sqrt(sum(r.count * r.weight for r in releases)), mu_max)
     for _ in range(_MAX_DOUBLINGS):
-        if min(multipliers(1.0 / hi)) < _MIN_MULTIPLIER:
-            hi = None
-            break
         if spent(hi) >= epsilon:
             break
-        lo, hi = hi, 2.0 * hi
+        if hi >= mu_max:  # the multiplier floor reached without meeting the target
+            hi = None
+            break
+        lo, hi = hi, min(2.0 * hi, mu_max)
     else:
         hi = None
     if hi is None:
@@ -339,6 +335,11 @@ def _gdp_mu(epsilon: float, delta: float) -> float:
     lo, hi = 1e-3, 1.0
     while _gdp_delta(hi, epsilon) < delta:
         lo, hi = hi, 2.0 * hi
+    while _gdp_delta(lo, epsilon) >= delta:  # tiny targets need a tiny mu
+        if lo < 1e-12:
+            raise InfeasiblePlanError(f"(epsilon={epsilon}, delta={delta}) is below what any "
+                                      "Gaussian plan can calibrate to")
+        lo, hi = lo / 2.0, lo
     return float(brentq(lambda mu: _gdp_delta(mu, epsilon) - delta, lo, hi, xtol=1e-12,
                         rtol=1e-13))
 
