@@ -168,8 +168,6 @@ def cover_size(jl_dim: int, rank: int, gamma: float) -> int:
 class _ExponentialMechanism(Algorithm):
     """One exponential-mechanism step over a data-independent candidate set, then local fits."""
 
-    score_range: ClassVar[str] = ""
-
     @classmethod
     def num_candidates(cls, config: Any) -> int:
         raise NotImplementedError

@@ -98,9 +98,6 @@ def make_accountant(
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
 
 
-MECHANISMS = ("gaussian", "exponential")
-
-
 @dataclass(frozen=True)
 class PlannedRelease:
     """``count`` identical Gaussian releases that each user takes part in, each with ``weight``
