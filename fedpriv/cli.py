@@ -2,6 +2,7 @@
 
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
     fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
+    fedpriv audit [CONFIG.toml] [--set key=value ...] [--trials N] [--alpha A] [--noise-scale S]
     fedpriv algorithms
 """
 
@@ -195,6 +196,32 @@ def cmd_algorithms(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from fedpriv.audit import run_audit
+    from fedpriv.privacy.accounting import InfeasiblePlanError
+    from fedpriv.server import check_plan
+
+    try:
+        config = RunConfig.from_mapping(load_run_config(args.config, args.set or []),
+                                        strict=True)
+        check_plan(config)
+        if args.trials < 100 or not 0 < args.alpha < 1 or not args.noise_scale > 0:
+            raise ConfigError("--trials must be >= 100, --alpha in (0, 1), --noise-scale > 0")
+    except (ConfigError, InfeasiblePlanError) as err:
+        print(f"fedpriv: invalid audit: {err}", file=sys.stderr)
+        return 2
+    print(f"fedpriv audit: {config.algorithm}, {args.trials} trials per population ...",
+          flush=True)
+    try:
+        result = run_audit(config, trials=args.trials, alpha=args.alpha,
+                           noise_scale=args.noise_scale)
+    except ValueError as err:
+        print(f"fedpriv: cannot audit: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(result.lines()))
+    return 1 if result.violation else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedpriv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
                          "start-up cost; flower: every run through the simulation engine")
     sw.add_argument("--plot", metavar="PNG", help="also copy the figure to this path")
     sw.set_defaults(func=cmd_sweep)
+    au = sub.add_parser("audit", help="empirical lower bound on the epsilon of one release")
+    au.add_argument("config", nargs="?", help="run-config TOML (flat kebab-case keys)")
+    au.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
+    au.add_argument("--trials", type=int, default=20000, help="trials per population")
+    au.add_argument("--alpha", type=float, default=0.05,
+                    help="1 - confidence of the lower bound (default 0.05)")
+    au.add_argument("--noise-scale", type=float, default=1.0,
+                    help="multiply the calibrated noise (below 1: a deliberately broken "
+                         "release, to see the audit catch it)")
+    au.set_defaults(func=cmd_audit)
     algos = sub.add_parser("algorithms", help="list registered algorithms")
     algos.set_defaults(func=cmd_algorithms)
     args = parser.parse_args(argv)
