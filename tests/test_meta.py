@@ -206,6 +206,19 @@ def test_replace_one_with_sampling_is_accounted_and_rdp_refuses_it():
         check_plan(meta_config(neighbouring_relation="replace-one", accountant="rdp"))
 
 
+@pytest.mark.parametrize("z", [1.0, 3.0])
+def test_sampled_replace_one_converges_to_the_unsampled_accounting(z):
+    """The sampled replace-one path (dp-accounting's REPLACE_ONE PLD, multiplier 2z relative to
+    the per-task bound) and the unsampled one (a Gaussian shift of the full replace-one Delta,
+    multiplier z) describe the same mechanism as the sampling rate goes to 1: the factor 2 of
+    the conversion is neither missing nor counted twice."""
+    from fedpriv.privacy.accounting import epsilon_of
+
+    sampled = epsilon_of({(z, 1.0 - 1e-7): 10}, 1e-5, "pld", "replace-one")
+    unsampled = epsilon_of({(z, 1.0): 10}, 1e-5, "pld", "replace-one")
+    assert sampled == pytest.approx(unsampled, rel=1e-5)
+
+
 # ----- privacy: the noise is really there ---------------------------------------------------
 def _zero_replies(server, step, parts):
     cls = type(server.algorithm)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,7 +45,7 @@ from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.linear import subspace_distance
 from fedpriv.algorithms.personalization import evaluate_models, final_metrics, problem_of
 from fedpriv.cohorts import cohort_data
-from fedpriv.data.margin import MarginProblem, margin_tasks
+from fedpriv.data.margin import MarginProblem, MarginTasks, margin_tasks
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import clip_by_norm
@@ -240,9 +240,13 @@ class AExp(_ExponentialMechanism):
         self.problem = problem_of(config)
         self._truth = ground_truth_embedding(self.problem)  # evaluation only
 
-    def embedding(self) -> np.ndarray:
+    @cached_property
+    def candidate_set(self) -> np.ndarray:
         c = self.config
-        return haar_candidates(c.seed, c.candidates, c.dim, c.rank)[self.choice]
+        return haar_candidates(c.seed, c.candidates, c.dim, c.rank)
+
+    def embedding(self) -> np.ndarray:
+        return self.candidate_set[self.choice]
 
     def broadcast(self, step: Step) -> dict[str, np.ndarray]:
         return {"embedding": self.embedding()} if step.is_final else {}
@@ -258,7 +262,7 @@ class AExp(_ExponentialMechanism):
         metrics["subspace_distance"] = subspace_distance(self.embedding(), self._truth)
         # the candidate set's own limit (evaluation only): its closest member to U*
         # candidates are orthonormal: the sine of the largest principal angle, all at once
-        cands = haar_candidates(c.seed, c.candidates, c.dim, c.rank)
+        cands = self.candidate_set
         residual = self._truth[None] - cands @ np.einsum("cdk,dl->ckl", cands, self._truth)
         metrics["best_candidate_distance"] = float(
             np.linalg.norm(residual, ord=2, axis=(1, 2)).min())
@@ -337,14 +341,12 @@ class JLExp(_ExponentialMechanism):
         problem = MarginProblem.of(config)
         tasks = margin_tasks(problem, user_ids)
         half = config.samples_per_user // 2
-        x0, y0 = tasks.features[:, :half], tasks.labels[:, :half]
-        x1, y1 = tasks.features[:, half:], tasks.labels[:, half:]
         if step.is_final:
             return UserContribution({}, len(user_ids), 0,
-                                    evaluate_margin(config, problem, user_ids, x1, y1,
+                                    evaluate_margin(config, problem, user_ids, tasks,
                                                     np.asarray(arrays["embedding"])))
-        return UserContribution({"scores": jl_scores(config, x0, y0).sum(axis=1)},
-                                len(user_ids), 0)
+        scores = jl_scores(config, tasks.features[:, :half], tasks.labels[:, :half])
+        return UserContribution({"scores": scores.sum(axis=1)}, len(user_ids), 0)
 
 
 def a_exp_scores(config: Any, x0: np.ndarray, y0: np.ndarray,
@@ -376,21 +378,26 @@ def jl_scores(config: Any, x0: np.ndarray, y0: np.ndarray) -> np.ndarray:
     return scores
 
 
-def evaluate_margin(config: Any, problem: MarginProblem, user_ids: np.ndarray, x1: np.ndarray,
-                    y1: np.ndarray, embedding: np.ndarray) -> dict[str, float]:
-    """Metric sums: each user's v on S1 with the released embedding, scored on fresh test points
-    (accuracy and margin loss), against each user alone (L2-regularized logistic regression on
-    all its m points, lambda = 1e-2) and the true embedding."""
+def evaluate_margin(config: Any, problem: MarginProblem, user_ids: np.ndarray,
+                    train: MarginTasks, embedding: np.ndarray) -> dict[str, float]:
+    """Metric sums: each user's v on its held-back half S1 with the released embedding, scored
+    on fresh test points (accuracy and margin loss), against each user alone (L2-regularized
+    logistic regression on all its m points, lambda = 1e-2) and the true embedding."""
+    half = config.samples_per_user // 2
+    x1, y1 = train.features[:, half:], train.labels[:, half:]
     test = margin_tasks(problem, user_ids, test_samples=config.test_samples_per_user)
-    v, _ = best_margin_vectors(np.einsum("nmd,dk->nmk", x1, embedding), y1, 0.0)
-    w = v @ embedding.T
-    train = margin_tasks(problem, user_ids)
+
+    def fitted(u: np.ndarray) -> np.ndarray:  # each user's w = U v, v fitted on S1
+        v, _ = best_margin_vectors(np.einsum("nmd,dk->nmk", x1, u), y1, 0.0)
+        return v @ u.T
+
+    def test_margins(w: np.ndarray) -> np.ndarray:
+        return test.labels * np.einsum("nmd,nd->nm", test.features, w)
+
+    margins = test_margins(fitted(embedding))
+    true_margins = test_margins(fitted(ground_truth_embedding(problem.embedding_problem())))
     local = ml.fit(train.features, train.labels, np.zeros(config.dim), 1e-2, "logistic", 1e-6)
-    margins = test.labels * np.einsum("nmd,nd->nm", test.features, w)
-    truth = ground_truth_embedding(problem.embedding_problem())
-    v_true, _ = best_margin_vectors(np.einsum("nmd,dk->nmk", x1, truth), y1, 0.0)
-    true_margins = test.labels * np.einsum("nmd,nd->nm", test.features, v_true @ truth.T)
-    local_margins = test.labels * np.einsum("nmd,nd->nm", test.features, local.models)
+    local_margins = test_margins(local.models)
     return {
         "test_accuracy_sum": float((margins > 0).mean(axis=1).sum()),
         "test_margin_loss_sum": float((margins <= config.margin).mean(axis=1).sum()),

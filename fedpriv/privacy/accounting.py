@@ -155,7 +155,7 @@ def epsilon_of(
         if not all(map(_is_pure, live)):
             raise InfeasiblePlanError("pure epsilon-DP and Gaussian releases cannot be mixed in "
                                       "one run")
-        return _pure_epsilon_cached(tuple(sorted((k[0], counts[k]) for k in live)))
+        return _pure_epsilon(tuple(sorted((k[0], counts[k]) for k in live)))
     return _epsilon_cached(tuple(sorted((k, n) for k, n in counts.items() if n > 0)), delta,
                            kind, relation)
 
@@ -168,7 +168,7 @@ def _epsilon_cached(items: tuple, delta: float, kind: str, relation: str) -> flo
     return float(acc.get_epsilon(delta))
 
 
-def _pure_epsilon_cached(items: tuple) -> float:
+def _pure_epsilon(items: tuple) -> float:
     """Epsilon at delta = 0 of composed pure-DP releases: exactly their sum (pure DP composes
     additively at delta = 0, and the sum is attained by randomized response, so it is tight).
     dp-accounting's PLD of pure DP agrees up to its grid (tested); it is not used here because
