@@ -7,6 +7,8 @@ registered algorithm's ``user_step`` for the whole cohort at once.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -15,6 +17,7 @@ from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step
 from fedpriv.cohorts import partition_users
 from fedpriv.config import RunConfig
+from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.registry import get_algorithm
 
 app = ClientApp()
@@ -47,11 +50,19 @@ def _answer(msg: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, parts = _partition(context)
     step = _step(msg)
+    faulty = pid in failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
+    if faulty and config.node_fault_kind == "crash":
+        raise RuntimeError(f"simulated crash of partition {pid} in {step.label} "
+                           "(node-fault-rate)")
+    if faulty and config.node_fault_kind == "timeout":
+        time.sleep(config.node_timeout + 2.0)  # answer only after the server stopped waiting
     algorithm = get_algorithm(config.algorithm)
     users = algorithm.participants(config, step, partition_users(config.num_users, pid, parts))
     arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
         msg.content) else {}
     contrib = algorithm.user_step(config, step, arrays, users)
+    if faulty and config.node_fault_kind == "corrupt":
+        contrib = corrupted(contrib)
     metrics = {P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
                P.KEY_PARTITION: pid}
     for key, value in (contrib.metrics or {}).items():

@@ -1,6 +1,7 @@
 """``fedpriv`` command line: run a config through Flower's simulation engine (or in-process).
 
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
+                [--resume]
     fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
     fedpriv audit [CONFIG.toml] [--set key=value ...] [--trials N] [--alpha A] [--noise-scale S]
     fedpriv algorithms
@@ -129,27 +130,48 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from fedpriv import checkpoint
     from fedpriv.engine import run_in_process, write_results
     from fedpriv.privacy.accounting import InfeasiblePlanError
-    from fedpriv.server import check_plan, summary_lines
+    from fedpriv.server import check_run, summary_lines
 
     try:
         values = load_run_config(args.config, args.set or [])
+        if args.resume:
+            values["resume"] = True
         config = RunConfig.from_mapping(values, strict=True)
-        check_plan(config)
-    except (ConfigError, InfeasiblePlanError) as err:
+        out = Path(args.out or config.results_path).expanduser().resolve()
+        # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
+        values["results-path"] = str(out)
+        ckpt = checkpoint.checkpoint_path(RunConfig.from_mapping(values)) if (
+            config.checkpoint) else None
+        if ckpt is not None:
+            values["checkpoint-path"] = str(ckpt)
+        config = RunConfig.from_mapping(values, strict=True)
+        if ckpt is not None and ckpt.exists() and not config.resume:
+            raise ConfigError(
+                f"an interrupted run left a checkpoint at {ckpt} ({checkpoint.describe(ckpt)}). "
+                "Continue it with --resume, or delete the file to start over (starting over "
+                "spends the privacy budget again unless the noise is seeded identically)")
+        check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
+    except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
         print(f"fedpriv: invalid config: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or config.results_path).expanduser().resolve()
     if out.exists():
         out.unlink()  # never report a stale file as this run's result
     if args.engine == "inprocess":
-        results = run_in_process(config)
+        results = run_in_process(config, checkpoint_path=ckpt)
         write_results(results, out)
+        if ckpt is not None:
+            ckpt.unlink(missing_ok=True)  # the results file is now the record of the run
         print("\n".join(summary_lines(results)))
         print(f"fedpriv: results written to {out}")
         return 0
-    return run_flower(config, values, out, args.keep_superlink)
+    code = run_flower(config, values, out, args.keep_superlink)
+    if code != 0 and ckpt is not None and ckpt.exists():
+        print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)}); continue "
+              "with: fedpriv run ... --resume", file=sys.stderr)
+    return code
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -232,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", help="results JSON path (default: the config's results-path)")
     run.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
                      help="flower: Flower simulation engine (default); inprocess: no Flower")
+    run.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run from its checkpoint (same config)")
     run.add_argument("--keep-superlink", action="store_true",
                      help="leave the local SuperLink that flwr started running")
     run.set_defaults(func=cmd_run)

@@ -14,6 +14,7 @@ from typing import Any
 
 from fedpriv.data.meta import LOSSES
 from fedpriv.data.synthetic import FEATURE_FAMILIES
+from fedpriv.faults import FAULT_KINDS
 from fedpriv.privacy.accounting import ACCOUNTANTS, NEIGHBOURING_RELATIONS
 
 
@@ -126,7 +127,30 @@ FIELDS: tuple[Field, ...] = (
     Field("results-path", str, "results/fedpriv-results.json", "where the JSON results go"),
     Field("node-timeout", float, 600.0, "seconds to wait for replies in a step", _positive,
           "a number > 0"),
+    Field("max-epsilon", float, 0.0, "budget ceiling: a run (or a resumed run) whose plan "
+          "would spend more refuses to start; 0: the target epsilon is the ceiling",
+          lambda x: x >= 0 and math.isfinite(x), "a finite number >= 0"),
+    Field("secure-noise", bool, False, "draw privacy noise from an OS-entropy-seeded "
+          "generator (not reproducible; refuses a fixed noise-seed)"),
+    Field("noise-seed", int, -1, "seed of the privacy noise; -1: derived from seed",
+          lambda x: x >= -1, "an integer >= -1"),
+    Field("node-fault-rate", float, 0.0, "simulated faults: the fraction of nodes (rounded "
+          "down) that fail in every step", lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    Field("node-fault-kind", str, "crash", "simulated faults: 'crash' (the node errors), "
+          "'timeout' (it answers after node-timeout) or 'corrupt' (it sends non-finite sums)",
+          lambda x: x in FAULT_KINDS, f"one of {', '.join(FAULT_KINDS)}"),
+    Field("checkpoint", bool, True, "save the server state after every step (atomically) so "
+          "an interrupted run can be resumed"),
+    Field("checkpoint-path", str, "", "checkpoint file; '': the results path with suffix "
+          ".checkpoint"),
+    Field("resume", bool, False, "continue from the checkpoint (set by fedpriv run --resume)"),
 )
+
+# Keys that may change when a run is resumed: where things go and how the run is operated,
+# never what it computes or what it may spend beyond max-epsilon (checked separately).
+RESUMABLE_KEYS = frozenset({"results-path", "node-timeout", "max-epsilon", "checkpoint",
+                            "checkpoint-path", "resume", "users-per-node", "node-fault-rate",
+                            "node-fault-kind"})
 
 _BY_KEY = {f.key: f for f in FIELDS}
 
@@ -203,6 +227,14 @@ class RunConfig:
     users_per_node: int
     results_path: str
     node_timeout: float
+    max_epsilon: float
+    secure_noise: bool
+    noise_seed: int
+    node_fault_rate: float
+    node_fault_kind: str
+    checkpoint: bool
+    checkpoint_path: str
+    resume: bool
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> RunConfig:
@@ -241,11 +273,25 @@ class RunConfig:
         if self.users_per_node > self.num_users:
             raise ConfigError(f"users-per-node: {self.users_per_node} exceeds num-users "
                               f"({self.num_users})")
+        if self.secure_noise and self.noise_seed >= 0:
+            raise ConfigError(f"noise-seed: {self.noise_seed} is not allowed with secure-noise "
+                              "= true (the noise comes from OS entropy; a fixed noise seed "
+                              "would make it predictable); remove noise-seed")
+        if self.max_epsilon and self.epsilon > self.max_epsilon:
+            raise ConfigError(f"epsilon: the target {self.epsilon} exceeds max-epsilon "
+                              f"({self.max_epsilon}); the run would spend more than allowed")
+        if self.resume and not self.checkpoint:
+            raise ConfigError("resume: needs checkpoint = true")
         try:
             algorithm = get_algorithm(self.algorithm)
         except KeyError as err:
             raise ConfigError(f"algorithm: {err.args[0]}") from None
         algorithm.validate(self)
+
+    @property
+    def ceiling(self) -> float:
+        """The most epsilon the run may spend: max-epsilon, or the target when it is 0."""
+        return self.max_epsilon or self.epsilon
 
     def to_mapping(self) -> dict[str, Any]:
         """The resolved config with kebab-case keys (what goes in the results file)."""

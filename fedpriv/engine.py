@@ -12,25 +12,41 @@ from pathlib import Path
 
 from fedpriv.cohorts import auto_num_nodes, partition_users
 from fedpriv.config import RunConfig
+from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.server import NodeReply, PrivateServer
 
 
-def run_in_process(config: RunConfig, num_partitions: int | None = None, log=print) -> dict:
+def run_in_process(config: RunConfig, num_partitions: int | None = None, log=print,
+                   checkpoint_path: Path | None = None) -> dict:
+    """Run every (remaining) step; nodes answer in turn. ``checkpoint_path``: save the server
+    state there after every step (and resume from it when ``config.resume``)."""
     started = time.perf_counter()
     parts = num_partitions or auto_num_nodes(config.num_users, config.users_per_node)
-    server = PrivateServer(config, parts, log=log)
+    server = PrivateServer(config, parts, log=log, checkpoint_path=checkpoint_path)
     algorithm_cls = type(server.algorithm)
-    for step in server.steps():
+    for step in server.pending_steps():
         t0 = time.perf_counter()
         arrays = server.payload(step)
+        failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
         replies = []
         for p in range(parts):
+            if p in failing and config.node_fault_kind in ("crash", "timeout"):
+                replies.append(simulated_failure(p, config.node_fault_kind))
+                continue
             users = algorithm_cls.participants(config, step,
                                                partition_users(config.num_users, p, parts))
             contrib = algorithm_cls.user_step(config, step, arrays, users)
-            replies.append(NodeReply(p, contrib))
+            replies.append(NodeReply(p, corrupted(contrib) if p in failing else contrib))
         server.aggregate(step, replies, t0)
     return server.results(time.perf_counter() - started, runtime="in-process")
+
+
+def simulated_failure(partition: int, kind: str) -> NodeReply:
+    """What the transport reports for a node that crashed or did not answer in time."""
+    if kind == "timeout":
+        return NodeReply(partition, error="no reply before the timeout (simulated fault)",
+                         failure="timeout")
+    return NodeReply(partition, error="simulated crash (node-fault-rate)", failure="node-error")
 
 
 def write_results(results: dict, path: str | os.PathLike) -> Path:

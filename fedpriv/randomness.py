@@ -11,6 +11,8 @@ Two kinds of draws exist in a run:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -46,3 +48,16 @@ def user_permutations(
 def server_generator(seed: int, release_index: int) -> np.random.Generator:
     """The generator for the server's noise in one release."""
     return np.random.default_rng([seed, 0x5E7, release_index])
+
+
+def noise_generator(config: Any, release_index: int) -> np.random.Generator:
+    """The generator of one release's privacy noise.
+
+    ``secure-noise``: seeded from OS entropy (``SeedSequence()`` reads ``secrets``), so nobody
+    who knows the config can reproduce the noise. Otherwise a pure function of ``noise-seed``
+    (or the run seed) and the release index: reproducible, for research.
+    """
+    if config.secure_noise:
+        return np.random.default_rng(np.random.SeedSequence())
+    seed = config.noise_seed if config.noise_seed >= 0 else config.seed
+    return server_generator(seed, release_index)

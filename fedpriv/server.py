@@ -6,18 +6,24 @@ The Flower strategy (``strategies/``) and the in-process engine (``fedpriv.engin
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedpriv.algorithms.base import Part, Step, UserContribution
+from fedpriv import checkpoint
+from fedpriv.checkpoint import CheckpointError
 from fedpriv.cohorts import partition_users
-from fedpriv.config import RunConfig
+from fedpriv.config import RESUMABLE_KEYS, RunConfig
 from fedpriv.privacy.accounting import (
     Accountant,
     InfeasiblePlanError,
@@ -26,17 +32,40 @@ from fedpriv.privacy.accounting import (
     pure_plan_epsilons,
 )
 from fedpriv.privacy.mechanisms import exponential_mechanism
-from fedpriv.randomness import server_generator
+from fedpriv.randomness import noise_generator
 from fedpriv.registry import get_algorithm
+
+
+# Why a node's reply was not used: each is counted per step and over the run.
+REJECTION_KINDS = (
+    "node-error",  # the node reported an error (crashed)
+    "timeout",  # no reply before node-timeout
+    "malformed",  # the message lacks records or has non-integer counts
+    "unknown-partition",  # a partition id the server does not expect
+    "duplicate",  # a second reply for the same partition
+    "user-count",  # claims another number of users than take part in the step
+    "missing-part",  # a released part is missing
+    "unexpected-part",  # an array the step does not release
+    "dtype",  # not a real floating-point array
+    "shape",  # not the part's shape
+    "non-finite",  # NaN or infinity
+    "metrics",  # final step: missing or non-finite metrics
+)
+
+
+class BudgetExceededError(InfeasiblePlanError):
+    """The run would spend more epsilon than its ceiling (max-epsilon) allows."""
 
 
 @dataclass
 class NodeReply:
-    """A node's answer to one step, as the transport received it."""
+    """A node's answer to one step, as the transport received it. ``error`` set: no usable
+    contribution, for the reason ``failure`` (one of ``REJECTION_KINDS``)."""
 
     partition_id: int
     contribution: UserContribution | None = None
     error: str | None = None
+    failure: str = "node-error"
 
 
 @dataclass
@@ -44,6 +73,7 @@ class PrivateServer:
     config: RunConfig
     num_partitions: int
     log: Callable[[str], None] = print
+    checkpoint_path: Path | None = None  # None: no checkpoints (tests, sweeps)
     algorithm: Any = field(init=False)
     multipliers: dict[str, float] = field(init=False)
     accountant: Accountant = field(init=False)
@@ -70,11 +100,111 @@ class PrivateServer:
             for p in range(self.num_partitions)
         }
         self._expected_cache: tuple[str, dict[int, int]] | None = None
-        releases = [s for s in self.algorithm.steps() if s.release is not None]
+        releases = [s for s in self.steps() if s.release is not None]
         self._last_release = releases[-1].label if releases else None
+        self.completed = 0  # steps done (the next step is steps()[completed])
+        self.resumed_from: int | None = None
+        if c.resume:
+            self._restore()
+        self.projected_epsilon = self._check_budget()
+
+    # ----- budget guard and checkpoints ------------------------------------------------------
+    def _check_budget(self) -> float:
+        """Refuse to start (or resume) a run whose releases so far plus those still planned
+        would compose to more than the ceiling (max-epsilon, or the target). Returns that
+        projected total."""
+        c = self.config
+        noiseless = any(s.release is None and not s.is_final for s in self.steps())
+        if noiseless and c.max_epsilon:
+            raise BudgetExceededError(
+                f"refusing to start: {c.algorithm} releases sums without noise (epsilon is "
+                f"unbounded), but max-epsilon = {c.max_epsilon} is set")
+        if not self.plan:
+            return 0.0
+        projected = self._projected_epsilon()
+        if projected > c.ceiling * (1.0 + 1e-9):
+            spent = self.accountant.epsilon()
+            raise BudgetExceededError(
+                f"refusing to {'resume' if self.resumed_from is not None else 'start'}: "
+                f"the run would spend epsilon {projected:.6g} in all ({spent:.6g} already "
+                f"spent), above the ceiling {c.ceiling:g} "
+                f"({'max-epsilon' if c.max_epsilon else 'the target epsilon'})")
+        return projected
+
+    def _projected_epsilon(self) -> float:
+        """Epsilon after every remaining planned release, composed on a copy of the
+        accountant exactly as the run will compose them."""
+        accountant = copy.deepcopy(self.accountant)
+        for step in self.pending_steps():
+            if step.release is None or step.is_final:
+                continue
+            if self.pure:
+                accountant.record_pure(step.label, self.pure_epsilons[step.release])
+                continue
+            groups, rate = self.algorithm.charge(step)
+            accountant.record(step.label, self.multipliers[step.release], groups=groups,
+                              sampling_rate=rate, evaluate=False)
+        return accountant.epsilon()
+
+    def pending_steps(self) -> list[Step]:
+        """The steps still to run (all of them, or those after a resumed checkpoint)."""
+        return self.steps()[self.completed:]
+
+    def _state(self) -> dict[str, Any]:
+        spent = [e["epsilon_spent"] for e in self.accountant.ledger
+                 if e.get("epsilon_spent") is not None]
+        return {
+            "config": self.config.to_mapping(), "completed": self.completed,
+            "total_steps": len(self.steps()), "multipliers": self.multipliers,
+            "pure_epsilons": self.pure_epsilons,
+            "algorithm": _algorithm_state(self.algorithm), "accountant": self.accountant,
+            "rejections": self.rejections, "bounded": self.bounded, "rounds": self.rounds,
+            "metrics": self.metrics, "releases": self._releases, "unnoised": self._unnoised,
+            "epsilon_spent": spent[-1] if spent else 0.0, "pid": os.getpid(),
+        }
+
+    def _restore(self) -> None:
+        if self.checkpoint_path is None:
+            raise CheckpointError("resume = true needs a checkpoint path")
+        state = checkpoint.load(self.checkpoint_path)
+        stored, wanted = state["config"], self.config.to_mapping()
+        changed = sorted(k for k in set(stored) | set(wanted)
+                         if k not in RESUMABLE_KEYS and stored.get(k) != wanted.get(k))
+        if changed:
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint_path} belongs to another run; these keys differ: "
+                + ", ".join(f"{k} = {stored.get(k)!r} there, {wanted.get(k)!r} now"
+                            for k in changed[:5]))
+        if state["multipliers"] != self.multipliers or (
+                state["pure_epsilons"] != self.pure_epsilons):
+            raise CheckpointError(
+                "the privacy plan calibrated now differs from the checkpoint's (another "
+                "dp-accounting version?); resuming would mix two plans")
+        self.algorithm.__dict__.update(state["algorithm"])
+        self.accountant = state["accountant"]
+        self.rejections, self.bounded = state["rejections"], state["bounded"]
+        self.rounds, self.metrics = state["rounds"], state["metrics"]
+        self._releases, self._unnoised = state["releases"], state["unnoised"]
+        self.completed = self.resumed_from = state["completed"]
+        self.log(f"fedpriv: resumed from {self.checkpoint_path}: {self.completed} of "
+                 f"{len(self.steps())} steps done, epsilon spent {state['epsilon_spent']:.4g}")
+
+    def _save_checkpoint(self) -> None:
+        if self.checkpoint_path is not None:
+            checkpoint.save(self.checkpoint_path, self._state())
+            checkpoint.pause_for_tests(self.completed)
+
+    def discard_checkpoint(self) -> None:
+        """Remove the checkpoint once the results are safely written."""
+        if self.checkpoint_path is not None:
+            self.checkpoint_path.unlink(missing_ok=True)
+
+    @functools.cached_property
+    def _steps(self) -> list[Step]:
+        return self.algorithm.steps()
 
     def steps(self) -> list[Step]:
-        return self.algorithm.steps()
+        return self._steps
 
     def payload(self, step: Step) -> dict[str, np.ndarray]:
         return self.algorithm.broadcast(step)
@@ -92,54 +222,73 @@ class PrivateServer:
         return self._expected_cache[1]
 
     # ----- checks ----------------------------------------------------------------------------
-    def _reject(self, step: Step, reply: NodeReply, reason: str) -> None:
-        self.rejections[reason] += 1
-        self.log(f"  {step.label}: rejected node (partition {reply.partition_id}): {reason}")
+    def _reject(self, step: Step, reply: NodeReply, kind: str, detail: str,
+                counts: Counter[str]) -> None:
+        self.rejections[kind] += 1
+        counts[kind] += 1
+        self.log(f"  {step.label}: rejected node (partition {reply.partition_id}): {kind}: "
+                 f"{detail}")
 
-    def _check_totals(self, step: Step, contrib: UserContribution) -> str | None:
+    @staticmethod
+    def _check_totals(step: Step, contrib: UserContribution) -> tuple[str, str] | None:
+        """(kind, detail) of the first problem with a node's sums, or None."""
         totals = contrib.totals if isinstance(contrib.totals, Mapping) else {}
+        names = {part.name for part in step.parts}
+        extra = sorted(str(k) for k in totals if k not in names)
+        if extra:
+            return "unexpected-part", f"arrays {extra} are not released in {step.label}"
         for part in step.parts:
             if part.name not in totals:
-                return f"missing part {part.name!r}"
+                return "missing-part", f"no array {part.name!r}"
             total = np.asarray(totals[part.name])
-            if total.shape != part.shape or total.dtype.kind != "f":
-                return (f"shape/dtype {total.shape}/{total.dtype} of {part.name!r}, "
-                        f"expected {part.shape}/float")
+            if total.dtype.kind != "f":
+                return "dtype", f"{part.name!r} has dtype {total.dtype}, expected a float"
+            if total.shape != part.shape:
+                return "shape", f"{part.name!r} has shape {total.shape}, expected {part.shape}"
             if not np.all(np.isfinite(total)):
-                return f"non-finite values in {part.name!r}"
+                return "non-finite", f"non-finite values in {part.name!r}"
         return None
 
-    def _accepted(self, step: Step, replies: Sequence[NodeReply]) -> list[UserContribution]:
+    def _accepted(self, step: Step, replies: Sequence[NodeReply],
+                  counts: Counter[str]) -> list[UserContribution]:
         expected = self.expected_users(step)
         seen: set[int] = set()
         accepted = []
         for reply in replies:
             contrib = reply.contribution
             if reply.error is not None or contrib is None:
-                self._reject(step, reply, f"node error: {reply.error or 'no content'}")
+                kind = reply.failure if reply.failure in REJECTION_KINDS else "node-error"
+                self._reject(step, reply, kind, reply.error or "no content", counts)
                 continue
-            if reply.partition_id in seen or reply.partition_id not in expected:
-                self._reject(step, reply, "duplicate or unknown partition")
+            if reply.partition_id not in expected:
+                self._reject(step, reply, "unknown-partition",
+                             f"partition {reply.partition_id} is not one of this run's", counts)
+                continue
+            if reply.partition_id in seen:
+                self._reject(step, reply, "duplicate", "a second reply for the partition",
+                             counts)
                 continue
             if contrib.num_users != expected[reply.partition_id]:
-                self._reject(step, reply, f"claims {contrib.num_users} users, "
-                                          f"{expected[reply.partition_id]} take part")
+                self._reject(step, reply, "user-count",
+                             f"claims {contrib.num_users} users, "
+                             f"{expected[reply.partition_id]} take part", counts)
                 continue
             if not step.is_final:
                 problem = self._check_totals(step, contrib)
                 if problem is not None:
-                    self._reject(step, reply, problem)
+                    self._reject(step, reply, *problem, counts)
                     continue
             elif contrib.metrics is None or not all(
                 np.isfinite(v) for v in contrib.metrics.values()
             ):
-                self._reject(step, reply, "missing or non-finite metrics")
+                self._reject(step, reply, "metrics", "missing or non-finite metrics", counts)
                 continue
             seen.add(reply.partition_id)
             accepted.append(contrib)
         return accepted
 
-    def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution]) -> np.ndarray:
+    def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution],
+                     counter: list[int] | None = None) -> np.ndarray:
         """Sum of node totals, each scaled to norm <= users * clip (the trusted-node bound);
         score vectors (exponential mechanism) are clamped entrywise to [0, users * bound]."""
         total = np.zeros(part.shape)
@@ -148,12 +297,17 @@ class PrivateServer:
             bound = contrib.num_users * part.clip_norm
             if part.mechanism == "exponential":
                 clamped = np.clip(value, 0.0, bound)
-                self.bounded += int(not np.array_equal(clamped, value))
+                hit = int(not np.array_equal(clamped, value))
+                self.bounded += hit
+                if counter is not None:
+                    counter[0] += hit
                 total += clamped
                 continue
             norm = float(np.linalg.norm(value))
             if norm > bound * (1.0 + 1e-9):
                 self.bounded += 1
+                if counter is not None:
+                    counter[0] += 1
                 total += value * (bound / norm)
             else:
                 total += value
@@ -161,13 +315,19 @@ class PrivateServer:
 
     # ----- one step --------------------------------------------------------------------------
     def aggregate(self, step: Step, replies: Sequence[NodeReply], started: float) -> dict:
-        accepted = self._accepted(step, replies)
+        """Check the replies, release the step (noise, accounting), checkpoint, report."""
+        if step != self.pending_steps()[0]:
+            raise RuntimeError(f"step {step.label} is out of order; next is "
+                               f"{self.pending_steps()[0].label}")
+        rejected: Counter[str] = Counter()
+        accepted = self._accepted(step, replies, rejected)
         users = sum(a.num_users for a in accepted)
         report: dict[str, Any] = {
             "step": step.label,
             "nodes_answered": len(accepted),
             "nodes_failed": self.num_partitions - len(accepted),
             "users_contributing": users,
+            "rejected": dict(rejected),
         }
         if step.group is not None:
             report["user_group"] = step.group
@@ -179,24 +339,29 @@ class PrivateServer:
             self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)
         else:
-            report.update(self._release(step, accepted))
+            bounded = [0]
+            report.update(self._release(step, accepted, bounded))
+            report["nodes_bounded"] = bounded[0]
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
         self.rounds.append(report)
+        self.completed += 1
+        self._save_checkpoint()  # before anything of this step leaves the server
         self.log(_progress_line(report, len(self.steps()), len(self.rounds)))
         return report
 
-    def _release(self, step: Step, accepted: Sequence[UserContribution]) -> dict[str, Any]:
+    def _release(self, step: Step, accepted: Sequence[UserContribution],
+                 bounded: list[int]) -> dict[str, Any]:
         """Noisy population means of the step's parts, applied and (if private) accounted."""
         c = self.config
         population = step.population or c.num_users
         if step.parts[0].mechanism == "exponential":
-            return self._select(step, accepted, population)
+            return self._select(step, accepted, population, bounded)
         means: dict[str, np.ndarray] = {}
         ledger_parts = []
         z = self.multipliers[step.release] if step.release is not None else None
         for part in step.parts:
-            mean = self._bounded_sum(part, accepted) / population
+            mean = self._bounded_sum(part, accepted, bounded) / population
             if z is None:
                 self._unnoised += 1
                 means[part.name] = mean
@@ -204,7 +369,7 @@ class PrivateServer:
             z_part = z / math.sqrt(part.share)
             sensitivity = mean_sensitivity(part.clip_norm, population, c.neighbouring_relation)
             std = z_part * sensitivity
-            rng = server_generator(c.seed, self._releases)
+            rng = noise_generator(c, self._releases)
             self._releases += 1
             means[part.name] = mean + self.algorithm.noise(step, part, std, rng)
             ledger_parts.append({"name": part.name, "noise_multiplier": z_part,
@@ -217,14 +382,23 @@ class PrivateServer:
             spent = self.accountant.record(step.label, z, ledger_parts, groups=groups,
                                            sampling_rate=rate, evaluate=evaluate)
             if spent is not None:
+                self._guard(spent)
                 report["epsilon_spent"] = spent
         return report
 
+    def _guard(self, spent: float) -> None:
+        """Last line of the budget guard: stop before a release over the ceiling leaves the
+        server (it cannot happen when the plan check passed; it is checked anyway)."""
+        if spent > self.config.ceiling * (1.0 + 1e-9):
+            raise BudgetExceededError(
+                f"epsilon spent {spent:.6g} would exceed the ceiling {self.config.ceiling:g}; "
+                "the release was not published and the run stops")
+
     def _select(self, step: Step, accepted: Sequence[UserContribution],
-                population: int) -> dict[str, Any]:
+                population: int, bounded: list[int]) -> dict[str, Any]:
         """The exponential mechanism over the candidates' mean scores (lower is better)."""
         (part,) = step.parts
-        scores = self._bounded_sum(part, accepted) / population
+        scores = self._bounded_sum(part, accepted, bounded) / population
         if step.release is None:  # non-private: the best candidate
             self._unnoised += 1
             choice = int(np.argmin(scores))
@@ -233,7 +407,7 @@ class PrivateServer:
         # one user moves each mean score by at most bound / population, under either relation
         # (add/remove with the population fixed: a removed user's scores are 0)
         sensitivity = part.clip_norm / population
-        rng = server_generator(self.config.seed, self._releases)
+        rng = noise_generator(self.config, self._releases)
         self._releases += 1
         choice = exponential_mechanism(scores, epsilon, sensitivity, rng)
         report = dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
@@ -241,6 +415,7 @@ class PrivateServer:
         spent = self.accountant.record_pure(step.label, epsilon, {
             "candidates": int(np.prod(part.shape)), "score_sensitivity": sensitivity,
             "chosen": choice})
+        self._guard(spent)
         report["epsilon_spent"] = spent
         return report
 
@@ -257,6 +432,8 @@ class PrivateServer:
                 # None: sums were released without noise (a non-private baseline)
                 "epsilon": self.accountant.epsilon() if self._unnoised == 0 else None,
                 "target_epsilon": c.epsilon,
+                "max_epsilon": c.ceiling,
+                "noise": "os-entropy" if c.secure_noise else "seeded",
                 # pure epsilon-DP runs (exponential mechanism): delta 0
                 "delta": 0.0 if self.pure else c.delta,
                 "accountant": c.accountant,
@@ -269,6 +446,8 @@ class PrivateServer:
             "rounds": self.rounds,
             "rejections": dict(self.rejections),
             "norm_bounded_nodes": self.bounded,
+            "node_faults": {"rate": c.node_fault_rate, "kind": c.node_fault_kind},
+            "resumed_from_step": self.resumed_from,
             "server_state": self.algorithm.state(),
             "wall_time_s": wall_time_s,
         }
@@ -288,6 +467,8 @@ def _progress_line(report: dict, total_steps: int, done: int) -> str:
     parts.append(f"nodes={report['nodes_answered']}")
     if report["nodes_failed"]:
         parts.append(f"failed={report['nodes_failed']}")
+    if report.get("rejected"):
+        parts.append("rejected=" + ",".join(f"{k}:{n}" for k, n in report["rejected"].items()))
     parts.append(f"{report['seconds']:.2f}s")
     return "  ".join(parts)
 
@@ -333,6 +514,14 @@ def _privacy_line(p: dict) -> str:
             f"{p['neighbouring_relation']} user-level")
 
 
+def _algorithm_state(algorithm: Any) -> dict[str, Any]:
+    """The algorithm's server state: its attributes, less the config and cached values that
+    are recomputed from the config."""
+    cached = {name for cls in type(algorithm).__mro__ for name, value in vars(cls).items()
+              if isinstance(value, functools.cached_property)}
+    return {k: v for k, v in vars(algorithm).items() if k != "config" and k not in cached}
+
+
 def _calibrate(config: RunConfig, plan) -> list[float]:
     try:
         if any(r.mechanism == "exponential" for r in plan):
@@ -341,6 +530,12 @@ def _calibrate(config: RunConfig, plan) -> list[float]:
                                        config.neighbouring_relation)
     except InfeasiblePlanError as err:
         raise InfeasiblePlanError(f"refusing to start: {err}") from None
+
+
+def check_run(config: RunConfig, checkpoint_path: Path | None = None) -> PrivateServer:
+    """Everything the server checks before its first step, without running: the privacy plan,
+    the budget ceiling and, when resuming, the checkpoint. Raises if the run cannot start."""
+    return PrivateServer(config, 1, log=lambda _: None, checkpoint_path=checkpoint_path)
 
 
 def check_plan(config: RunConfig) -> list[float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -49,13 +50,23 @@ def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         time.sleep(1.0)
 
 
+def _count(value: object) -> int:
+    """A user count from a MetricRecord: a non-negative integer (a float must be integral)."""
+    number = float(value)  # type: ignore[arg-type]
+    if not number.is_integer() or number < 0:
+        raise ValueError(f"count {value!r} is not a non-negative integer")
+    return int(number)
+
+
 class PrivateStrategy(Strategy):
     """Runs one fedpriv algorithm over a Flower Grid."""
 
-    def __init__(self, config: RunConfig, partitions: dict[int, int]) -> None:
+    def __init__(self, config: RunConfig, partitions: dict[int, int],
+                 checkpoint_path: Path | None = None) -> None:
         self.config = config
         self.partitions = partitions
-        self.server = PrivateServer(config, len(partitions), log=_log)
+        self.server = PrivateServer(config, len(partitions), log=_log,
+                                    checkpoint_path=checkpoint_path)
         self._step: Step | None = None  # the step under way (set by run)
         self._started = 0.0
 
@@ -78,7 +89,8 @@ class PrivateStrategy(Strategy):
             node_replies.append(self._to_node_reply(self.partitions.get(node, -1), reply))
         for node, pid in self.partitions.items():
             if node not in answered:
-                node_replies.append(NodeReply(pid, error="no reply before the timeout"))
+                node_replies.append(NodeReply(pid, error="no reply before the timeout",
+                                              failure="timeout"))
         report = self.server.aggregate(self._step, node_replies, self._started)
         return None, MetricRecord({k: float(v) for k, v in report.items()
                                    if isinstance(v, (int, float))})
@@ -102,16 +114,17 @@ class PrivateStrategy(Strategy):
             totals = {name: array.numpy() for name, array in reply.content[P.ARRAYS].items()}
             extra = {k[len(P.METRIC_PREFIX):]: float(v) for k, v in metrics.items()
                      if k.startswith(P.METRIC_PREFIX)}
-            contrib = UserContribution(totals, int(metrics[P.KEY_NUM_USERS]),
-                                       int(metrics[P.KEY_NUM_CLIPPED]), extra or None)
-        except (KeyError, TypeError, ValueError) as err:
-            return NodeReply(pid, error=f"malformed reply: {err!r}"[:300])
+            contrib = UserContribution(totals, _count(metrics[P.KEY_NUM_USERS]),
+                                       _count(metrics[P.KEY_NUM_CLIPPED]), extra or None)
+        except Exception as err:  # anything a hostile or broken node may send
+            return NodeReply(pid, error=f"malformed reply: {err!r}"[:300], failure="malformed")
         return NodeReply(pid, contrib)
 
     # -- the whole run ------------------------------------------------------------------------
     def run(self, grid: Grid) -> dict:
         started = time.perf_counter()
-        for number, step in enumerate(self.server.steps(), start=1):
+        for number, step in enumerate(self.server.pending_steps(),
+                                      start=self.server.completed + 1):
             self._step, self._started = step, time.perf_counter()
             arrays = ArrayRecord({k: Array(np.asarray(v))
                                   for k, v in self.server.payload(step).items()})

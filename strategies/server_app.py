@@ -7,6 +7,7 @@ import time
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedpriv.checkpoint import checkpoint_path
 from fedpriv.config import RunConfig
 from fedpriv.engine import write_results
 from fedpriv.server import summary_lines
@@ -22,12 +23,14 @@ def main(grid: Grid, context: Context) -> None:
     print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
           f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
     partitions = discover_partitions(grid, timeout=config.node_timeout)
-    strategy = PrivateStrategy(config, partitions)
+    checkpoint = checkpoint_path(config) if config.checkpoint else None
+    strategy = PrivateStrategy(config, partitions, checkpoint_path=checkpoint)
     print("fedpriv: noise multipliers " + ", ".join(
         f"{k}={v:.4g}" for k, v in strategy.server.multipliers.items()), flush=True)
     results = strategy.run(grid)
     results["wall_time_s"] = time.perf_counter() - started
     path = write_results(results, config.results_path)
+    strategy.server.discard_checkpoint()  # the results file is now the record of the run
     for line in summary_lines(results):
         print(line, flush=True)
     print(f"fedpriv: results written to {path}", flush=True)

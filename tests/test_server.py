@@ -23,8 +23,8 @@ def honest_replies(server, step, parts):
     (UserContribution({"total": np.full((10, 10), np.nan)}, 150), "non-finite"),
     (UserContribution({"total": np.zeros((3, 3))}, 150), "shape"),
     (UserContribution({"total": np.zeros((10, 10), dtype=np.int64)}, 150), "dtype"),
-    (UserContribution({"total": np.zeros((10, 10))}, 10_000), "claims 10000 users"),
-    (None, "node error"),
+    (UserContribution({"total": np.zeros((10, 10))}, 10_000), "user-count"),
+    (None, "node-error"),
 ])
 def test_bad_updates_are_rejected_counted_and_the_run_goes_on(bad, reason):
     config = small_config()
@@ -35,7 +35,7 @@ def test_bad_updates_are_rejected_counted_and_the_run_goes_on(bad, reason):
     report = server.aggregate(init, replies, 0.0)
     assert report["nodes_answered"] == 3 and report["nodes_failed"] == 1
     assert sum(server.rejections.values()) == 1
-    assert any(reason.split()[0] in key for key in server.rejections)
+    assert server.rejections == {reason: 1} and report["rejected"] == {reason: 1}
     for step in server.steps()[1:]:  # the rest of the run completes
         server.aggregate(step, honest_replies(server, step, 4), 0.0)
     results = server.results(1.0, "test")
