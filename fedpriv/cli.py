@@ -110,8 +110,13 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         for key, value in {**values, "results-path": str(out)}.items():
             lines.append(f"{key} = {json.dumps(value)}")
         run_config.write_text("\n".join(lines) + "\n")
+        federation = f"num-supernodes={nodes}"
+        if config.node_fault_kind == "timeout" and config.node_fault_rate > 0:
+            # a simulated node that times out holds its worker for node-timeout seconds:
+            # more (logical) workers than cores keep the others from queueing behind it
+            federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
         cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
-               "--federation-config", f"num-supernodes={nodes}"]
+               "--federation-config", federation]
         if not quiet:
             print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
                   f"({config.num_users} users)", flush=True)

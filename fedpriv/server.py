@@ -334,9 +334,12 @@ class PrivateServer:
         if step.is_final:
             keys = accepted[0].metrics.keys() if accepted else []
             sums = {k: sum(a.metrics[k] for a in accepted) for k in keys}
-            if users == 0:
-                raise RuntimeError("no node answered the final step")
-            self.metrics = self.algorithm.finalize(sums, users)
+            if users == 0:  # keep the run (and its ledger); there is nothing to measure
+                self.metrics = {}
+                report["error"] = "no node answered the final evaluation"
+                self.log("  final: no node answered; the results carry no metrics")
+            else:
+                self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)
         else:
             bounded = [0]

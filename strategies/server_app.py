@@ -22,7 +22,9 @@ def main(grid: Grid, context: Context) -> None:
     config = RunConfig.from_mapping(context.run_config)  # fails here on a bad config
     print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
           f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
-    partitions = discover_partitions(grid, timeout=config.node_timeout)
+    # nodes register asynchronously (a simulation starts its workers first): wait at least
+    # two minutes for them, whatever the per-step node-timeout
+    partitions = discover_partitions(grid, timeout=max(config.node_timeout, 120.0))
     checkpoint = checkpoint_path(config) if config.checkpoint else None
     strategy = PrivateStrategy(config, partitions, checkpoint_path=checkpoint)
     print("fedpriv: noise multipliers " + ", ".join(

@@ -1,0 +1,157 @@
+"""Faults and a killed server, through the real Flower runtime (simulation engine, Ray)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpriv import checkpoint
+from fedpriv.config import RunConfig
+from fedpriv.engine import run_in_process
+from tests.test_flower_integration import flower_env, run_cli  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.integration
+
+SETTINGS = dict(num_users=600, dim=10, epsilon=2.0, rounds=5, users_per_node=200)
+
+
+def _descendants(root: int) -> set[int]:
+    """PIDs of every process below ``root`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _process_groups(pids: set[int]) -> set[int]:
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    return groups
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _stop_groups(groups: set[int]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(2.0)
+
+
+def test_killing_the_server_mid_run_and_resuming_counts_every_release_once(tmp_path,
+                                                                           flower_env):
+    """The ServerApp process (flwr-simulation) is SIGKILLed after it checkpointed step 3 of 7;
+    `fedpriv run --resume` continues through Flower, and the final ledger equals that of an
+    uninterrupted run of the same config."""
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out)]
+    for key, value in SETTINGS.items():
+        cmd += ["--set", f"{key.replace('_', '-')}={value}"]
+    env = {**flower_env, checkpoint.PAUSE_ENV: "3"}  # hold the server after step 3
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                             start_new_session=True)
+    ckpt = tmp_path / "results.checkpoint"
+    groups: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        state = None
+        while time.monotonic() < deadline and first.poll() is None:
+            if ckpt.exists():
+                state = checkpoint.load(ckpt)
+                if state["completed"] == 3:
+                    break
+            time.sleep(0.5)
+        assert state is not None and state["completed"] == 3, (tmp_path / "first.log").read_text()
+        server_pid = state["pid"]
+        assert "flwr-simulation" in Path(f"/proc/{server_pid}/cmdline").read_text()
+        groups = _process_groups(_descendants(first.pid) | {first.pid})
+        os.kill(server_pid, signal.SIGKILL)  # the crash
+        time.sleep(1.0)
+        assert not _alive(server_pid)
+    finally:
+        # what the crash left behind: the waiting CLI, `flwr run`, the SuperLink, Ray helpers
+        _stop_groups(groups | {first.pid})
+        first.wait(timeout=30)
+        log.close()
+    assert not out.exists()
+    assert checkpoint.load(ckpt)["completed"] == 3
+
+    # starting again without --resume is refused: the checkpoint records spent budget
+    refused = subprocess.run(cmd, env=flower_env, capture_output=True, text=True, timeout=120,
+                             cwd=tmp_path)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    resumed = subprocess.run([*cmd, "--resume"], env=flower_env, capture_output=True,
+                             text=True, timeout=480, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    results = json.loads(out.read_text())
+    assert results["runtime"] == "flower" and results["resumed_from_step"] == 3
+    assert not ckpt.exists()  # the results are the record now
+
+    whole = run_in_process(RunConfig.from_mapping(
+        {k.replace("_", "-"): v for k, v in SETTINGS.items()}), num_partitions=3,
+        log=lambda _: None)
+    assert results["privacy"]["ledger"] == whole["privacy"]["ledger"]
+    assert [e["release"] for e in results["privacy"]["ledger"]] == [
+        "init", "round-1", "round-2", "round-3", "round-4", "round-5"]
+    assert results["privacy"]["epsilon"] == whole["privacy"]["epsilon"] <= 2.0
+    assert results["metrics"]["population_mse"] == pytest.approx(
+        whole["metrics"]["population_mse"], rel=1e-9)
+    for group in groups:  # nothing of the killed run is left
+        assert not any(_alive(pid) for pid in _descendants(1) if _pgid(pid) == group)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_nodes_that_time_out_each_round_do_not_stop_the_run(tmp_path, flower_env):
+    """One SuperNode in three answers only after node-timeout in every step: each step goes on
+    with the others, the failure is recorded, and the privacy spent is unchanged."""
+    settings = dict(SETTINGS, rounds=2, node_fault_rate=0.34, node_fault_kind="timeout",
+                    node_timeout=4.0)
+    results, proc = run_cli(flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    for report in results["rounds"]:
+        assert report["nodes_answered"] == 2 and report["rejected"] == {"timeout": 1}
+    assert results["rejections"] == {"timeout": len(results["rounds"])}
+    assert "rejected=timeout:1" in proc.stdout
+    clean = run_in_process(RunConfig.from_mapping(
+        {k.replace("_", "-"): v for k, v in SETTINGS.items() if k != "rounds"} | {"rounds": 2}),
+        num_partitions=3, log=lambda _: None)
+    assert results["privacy"]["epsilon"] == clean["privacy"]["epsilon"]
+    assert [e["noise_std"] for e in results["privacy"]["ledger"]] == [
+        e["noise_std"] for e in clean["privacy"]["ledger"]]
