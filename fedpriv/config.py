@@ -139,6 +139,9 @@ FIELDS: tuple[Field, ...] = (
     Field("node-fault-kind", str, "crash", "simulated faults: 'crash' (the node errors), "
           "'timeout' (it answers after node-timeout) or 'corrupt' (it sends non-finite sums)",
           lambda x: x in FAULT_KINDS, f"one of {', '.join(FAULT_KINDS)}"),
+    Field("rescale-missing-nodes", bool, True, "scale a release by (users hosted) / (users "
+          "hosted by the nodes that answered): post-processing of the noisy mean, so privacy "
+          "is unchanged; keeps failed nodes from shrinking the step"),
     Field("checkpoint", bool, True, "save the server state after every step (atomically) so "
           "an interrupted run can be resumed"),
     Field("checkpoint-path", str, "", "checkpoint file; '': the results path with suffix "
@@ -232,6 +235,7 @@ class RunConfig:
     noise_seed: int
     node_fault_rate: float
     node_fault_kind: str
+    rescale_missing_nodes: bool
     checkpoint: bool
     checkpoint_path: str
     resume: bool

@@ -250,7 +250,8 @@ class PrivateServer:
         return None
 
     def _accepted(self, step: Step, replies: Sequence[NodeReply],
-                  counts: Counter[str]) -> list[UserContribution]:
+                  counts: Counter[str]) -> tuple[list[UserContribution], set[int]]:
+        """The usable contributions, and the partitions they come from."""
         expected = self.expected_users(step)
         seen: set[int] = set()
         accepted = []
@@ -285,7 +286,7 @@ class PrivateServer:
                 continue
             seen.add(reply.partition_id)
             accepted.append(contrib)
-        return accepted
+        return accepted, seen
 
     def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution],
                      counter: list[int] | None = None) -> np.ndarray:
@@ -320,7 +321,7 @@ class PrivateServer:
             raise RuntimeError(f"step {step.label} is out of order; next is "
                                f"{self.pending_steps()[0].label}")
         rejected: Counter[str] = Counter()
-        accepted = self._accepted(step, replies, rejected)
+        accepted, answered = self._accepted(step, replies, rejected)
         users = sum(a.num_users for a in accepted)
         report: dict[str, Any] = {
             "step": step.label,
@@ -343,7 +344,7 @@ class PrivateServer:
             report.update(self.metrics)
         else:
             bounded = [0]
-            report.update(self._release(step, accepted, bounded))
+            report.update(self._release(step, accepted, bounded, answered))
             report["nodes_bounded"] = bounded[0]
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
@@ -354,12 +355,13 @@ class PrivateServer:
         return report
 
     def _release(self, step: Step, accepted: Sequence[UserContribution],
-                 bounded: list[int]) -> dict[str, Any]:
+                 bounded: list[int], answered: set[int]) -> dict[str, Any]:
         """Noisy population means of the step's parts, applied and (if private) accounted."""
         c = self.config
         population = step.population or c.num_users
         if step.parts[0].mechanism == "exponential":
             return self._select(step, accepted, population, bounded)
+        scale = self._missing_node_scale(answered)
         means: dict[str, np.ndarray] = {}
         ledger_parts = []
         z = self.multipliers[step.release] if step.release is not None else None
@@ -374,10 +376,12 @@ class PrivateServer:
             std = z_part * sensitivity
             rng = noise_generator(c, self._releases)
             self._releases += 1
-            means[part.name] = mean + self.algorithm.noise(step, part, std, rng)
+            means[part.name] = scale * (mean + self.algorithm.noise(step, part, std, rng))
             ledger_parts.append({"name": part.name, "noise_multiplier": z_part,
                                  "l2_sensitivity": sensitivity, "noise_std": std})
         report = dict(self.algorithm.apply(step, means))
+        if scale != 1.0:
+            report["missing_node_rescale"] = scale
         if z is not None:
             groups, rate = self.algorithm.charge(step)
             count = len(self.accountant.ledger) + 1
@@ -388,6 +392,18 @@ class PrivateServer:
                 self._guard(spent)
                 report["epsilon_spent"] = spent
         return report
+
+    def _missing_node_scale(self, answered: set[int]) -> float:
+        """Post-processing for nodes that did not answer (``rescale-missing-nodes``): the
+        noisy mean, taken over the population fixed in advance, is multiplied by (users
+        hosted) / (users hosted by the nodes that answered). The factor uses public values only
+        (partition sizes, which nodes answered), and it is applied after the noise, so the
+        sensitivity, the noise and the accounting are those of the plan; it keeps a step's
+        size from shrinking with the share of nodes that failed."""
+        hosted = sum(len(self._partition_users[p]) for p in answered)
+        if not self.config.rescale_missing_nodes or hosted == 0:
+            return 1.0
+        return self.config.num_users / hosted
 
     def _guard(self, spent: float) -> None:
         """Last line of the budget guard: stop before a release over the ceiling leaves the

@@ -76,10 +76,23 @@ def test_a_fifth_of_the_nodes_failing_each_step_keeps_the_run_and_its_noise(algo
         assert report["nodes_failed"] == 2 and report["nodes_answered"] == 8
         assert report["rejected"] == {"node-error": 2}
     assert faulty["rejections"] == {"node-error": len(faulty["rounds"]) * 2}
+    # Gaussian releases are rescaled for the missing fifth after the noise (post-processing);
+    # the exponential mechanism's scores are not (a rescale would change its privacy)
+    gaussian = algorithm not in ("a-exp", "jl-exp")
+    for report in faulty["rounds"][:-1]:
+        assert report.get("missing_node_rescale") == (pytest.approx(1.25) if gaussian else None)
     assert release_record(faulty) == release_record(clean)
     assert faulty["privacy"]["epsilon"] == clean["privacy"]["epsilon"]
     assert faulty["privacy"]["noise_multipliers"] == clean["privacy"]["noise_multipliers"]
     assert faulty["metrics"] and all(np.isfinite(v) for v in faulty["metrics"].values())
+
+
+def test_the_missing_node_rescale_can_be_turned_off_and_privacy_does_not_depend_on_it():
+    on = quiet(make_config("private-fedrep", node_fault_rate=0.2))
+    off = quiet(make_config("private-fedrep", node_fault_rate=0.2, rescale_missing_nodes=False))
+    assert all("missing_node_rescale" not in r for r in off["rounds"])
+    assert release_record(on) == release_record(off)
+    assert on["server_state"] != off["server_state"]
 
 
 @pytest.mark.parametrize("kind,reason,final_reason", [
