@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv import checkpoint
+from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.checkpoint import CheckpointError
 from fedpriv.cohorts import partition_users
 from fedpriv.config import RESUMABLE_KEYS, RunConfig
@@ -34,7 +34,6 @@ from fedpriv.privacy.accounting import (
 from fedpriv.privacy.mechanisms import exponential_mechanism
 from fedpriv.randomness import noise_generator
 from fedpriv.registry import get_algorithm
-
 
 # Why a node's reply was not used: each is counted per step and over the run.
 REJECTION_KINDS = (
@@ -106,6 +105,12 @@ class PrivateServer:
         self.resumed_from: int | None = None
         if c.resume:
             self._restore()
+        elif self.checkpoint_path is not None and self.checkpoint_path.exists():
+            raise CheckpointError(
+                f"an interrupted run left a checkpoint at {self.checkpoint_path} "
+                f"({checkpoint.describe(self.checkpoint_path)}). Continue it with --resume "
+                "(resume = true), or delete the file to start over (starting over spends the "
+                "privacy budget again unless the noise is seeded identically)")
         self.projected_epsilon = self._check_budget()
 
     # ----- budget guard and checkpoints ------------------------------------------------------

@@ -1,3 +1,8 @@
+import os
+import shutil
+import socket
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -15,3 +20,27 @@ def small_config(**overrides) -> RunConfig:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def flower_env():
+    # Ray's socket paths must stay under 107 bytes: keep its temp dir short.
+    short = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    env = dict(os.environ)
+    env.update({
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "FLWR_HOME": os.path.join(short, "flwr"),
+        "RAY_TMPDIR": os.path.join(short, "ray"),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+    })
+    os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
+    yield env
+    shutil.rmtree(short, ignore_errors=True)

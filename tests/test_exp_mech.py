@@ -10,8 +10,14 @@ from fedpriv.algorithms import exp_mech as em
 from fedpriv.algorithms.base import UserContribution
 from fedpriv.config import ConfigError, RunConfig
 from fedpriv.engine import run_in_process
-from fedpriv.privacy.accounting import Accountant, InfeasiblePlanError, PlannedRelease, \
-    calibrate_gaussian_plan, epsilon_of, pure_plan_epsilons
+from fedpriv.privacy.accounting import (
+    Accountant,
+    InfeasiblePlanError,
+    PlannedRelease,
+    calibrate_gaussian_plan,
+    epsilon_of,
+    pure_plan_epsilons,
+)
 from fedpriv.privacy.mechanisms import exponential_log_weights, exponential_mechanism
 from fedpriv.server import NodeReply, PrivateServer
 
@@ -148,7 +154,8 @@ def test_pure_releases_are_accounted_as_pure_epsilon_dp():
         acc.record_pure("more", 0.12345)
     assert acc.epsilon() == pytest.approx(1.0 + 1.2345, abs=1e-12)
     # independent check: dp-accounting's PLD of pure DP composes to the same epsilon at delta 0
-    from dp_accounting.pld import common, privacy_loss_distribution as pld
+    from dp_accounting.pld import common
+    from dp_accounting.pld import privacy_loss_distribution as pld
 
     one = pld.from_privacy_parameters(common.DifferentialPrivacyParameters(0.25, 0.0))
     assert one.self_compose(3).get_epsilon_for_delta(0.0) == pytest.approx(

@@ -13,7 +13,7 @@ import pytest
 from fedpriv import checkpoint
 from fedpriv.config import RunConfig
 from fedpriv.engine import run_in_process
-from tests.test_flower_integration import flower_env, run_cli  # noqa: F401 (fixture)
+from tests.test_flower_integration import run_cli
 
 pytestmark = pytest.mark.integration
 

@@ -233,8 +233,7 @@ def _tamper_with(kind: str):
     return tamper
 
 
-HOSTILE_CASES = [(a, k) for a in ("private-fedrep", "priv-altmin", "meta-nsgd", "a-exp")
-                 for k in sorted(HOSTILE)
+HOSTILE_CASES = [(a, k) for a in sorted(PRIVATE) for k in sorted(HOSTILE)
                  # only Priv-AltMin releases two parts; with one, "missing" means no arrays
                  if k != "missing-part" or a == "priv-altmin"]
 
@@ -259,7 +258,7 @@ def test_a_hostile_node_is_rejected_and_counted_and_the_run_goes_on(task_identit
     assert results["privacy"]["epsilon"] <= config.epsilon
 
 
-@pytest.mark.parametrize("algorithm", ["private-fedrep", "priv-altmin", "meta-nsgd", "a-exp"])
+@pytest.mark.parametrize("algorithm", sorted(PRIVATE))
 def test_an_oversized_update_is_bounded_to_the_sensitivity_not_rejected(task_identity,
                                                                         algorithm):
     """A node's sum scaled by 1e6 (or, for scores, far outside [0, B]) is bounded to its users
