@@ -100,9 +100,20 @@ def stop_local_superlink(port: int) -> None:
 
 
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
-               quiet: bool = False) -> int:
+               quiet: bool = False, ray_address: str | None = None) -> int:
+    """Run through Flower's simulation engine. ``ray_address``: attach the simulation to that
+    existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink that ``flwr run``
+    starts and by its simulation process) instead of starting a Ray instance of its own."""
     port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
     started_here = not _port_open(port)
+    env = None
+    if ray_address:
+        if not started_here:
+            print(f"fedpriv: --ray-address needs a fresh local SuperLink, but one is already "
+                  f"listening on 127.0.0.1:{port} (it would keep its own Ray instance); stop "
+                  "it first", file=sys.stderr)
+            return 2
+        env = {**os.environ, "RAY_ADDRESS": ray_address}
     nodes = auto_num_nodes(config.num_users, config.users_per_node)
     with tempfile.TemporaryDirectory() as tmp:
         run_config = Path(tmp) / "run-config.toml"
@@ -111,7 +122,8 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
             lines.append(f"{key} = {json.dumps(value)}")
         run_config.write_text("\n".join(lines) + "\n")
         federation = f"num-supernodes={nodes}"
-        if config.node_fault_kind == "timeout" and config.node_fault_rate > 0:
+        if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
+                not ray_address):  # an existing cluster's CPUs are its own
             # a simulated node that times out holds its worker for node-timeout seconds:
             # more (logical) workers than cores keep the others from queueing behind it
             federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
@@ -121,7 +133,7 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
             print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
                   f"({config.num_users} users)", flush=True)
         try:
-            proc = subprocess.run(cmd, cwd=tmp, check=False,
+            proc = subprocess.run(cmd, cwd=tmp, check=False, env=env,
                                   stdout=subprocess.DEVNULL if quiet else None,
                                   stderr=subprocess.DEVNULL if quiet else None)
         finally:
@@ -141,6 +153,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedpriv.server import check_run, summary_lines
 
     try:
+        if args.ray_address and args.engine != "flower":
+            raise ConfigError("--ray-address attaches Flower's simulation engine to a Ray "
+                              "cluster: it needs --engine flower")
         values = load_run_config(args.config, args.set or [])
         if args.resume:
             values["resume"] = True
@@ -153,11 +168,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if ckpt is not None:
             values["checkpoint-path"] = str(ckpt)
         config = RunConfig.from_mapping(values, strict=True)
-        if ckpt is not None and ckpt.exists() and not config.resume:
-            raise ConfigError(
-                f"an interrupted run left a checkpoint at {ckpt} ({checkpoint.describe(ckpt)}). "
-                "Continue it with --resume, or delete the file to start over (starting over "
-                "spends the privacy budget again unless the noise is seeded identically)")
         check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
         print(f"fedpriv: invalid config: {err}", file=sys.stderr)
@@ -172,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("\n".join(summary_lines(results)))
         print(f"fedpriv: results written to {out}")
         return 0
-    code = run_flower(config, values, out, args.keep_superlink)
+    code = run_flower(config, values, out, args.keep_superlink, ray_address=args.ray_address)
     if code != 0 and ckpt is not None and ckpt.exists():
         print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)}); continue "
               "with: fedpriv run ... --resume", file=sys.stderr)
@@ -263,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="continue an interrupted run from its checkpoint (same config)")
     run.add_argument("--keep-superlink", action="store_true",
                      help="leave the local SuperLink that flwr started running")
+    run.add_argument("--ray-address", metavar="HOST:PORT",
+                     default=os.environ.get("FEDPRIV_RAY_ADDRESS") or None,
+                     help="run the simulation on this existing Ray cluster (its head's GCS "
+                          "address, as `ray start --head` prints) instead of a Ray instance of "
+                          "its own; default $FEDPRIV_RAY_ADDRESS")
     run.set_defaults(func=cmd_run)
     sw = sub.add_parser("sweep", help="run a grid of algorithms x epsilon x seeds; table + plot")
     sw.add_argument("config", help="sweep TOML ([sweep], [base], [[series]]; see configs/)")
