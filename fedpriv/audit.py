@@ -60,7 +60,8 @@ class AuditResult:
             f"fedpriv audit: release {self.release!r}, {self.trials} trials per population, "
             f"noise x{self.noise_scale:g}",
             f"  empirical epsilon >= {self.epsilon_lower_bound:.4f} with confidence "
-            f"{1 - self.alpha:g} (threshold {self.threshold:.4g}; FPR {self.false_positive_rate:.4f}, "
+            f"{1 - self.alpha:g} (threshold {self.threshold:.4g}; "
+            f"FPR {self.false_positive_rate:.4f}, "
             f"FNR {self.false_negative_rate:.4f} on held-out trials)",
             f"  accountant: epsilon {self.accountant_epsilon:.4f} at delta {self.delta:g} for "
             f"this release",
@@ -107,7 +108,7 @@ def _release_samples(config: RunConfig, trials: int, noise_scale: float) -> tupl
     seen: list[float] = []
     for accepted in ([honest], [honest, canary]):
         mean = server._bounded_sum(part, accepted) / population  # the server's node bounds
-        for trial in range(trials):
+        for _ in range(trials):
             # the server's own noise function and generator family, a fresh stream per trial
             rng = server_generator(config.seed, 1_000_000 + len(seen))
             seen.append(float((mean + server.algorithm.noise(step, part, std, rng)).flat[0]))

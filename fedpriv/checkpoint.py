@@ -73,6 +73,36 @@ def describe(path: Path) -> str:
             f"{state['epsilon_spent']:.4g}")
 
 
+def lock(path: Path) -> int:
+    """Take the run's lock (``<checkpoint>.lock``, an exclusive ``flock`` held while the
+    server lives; the OS releases it when the process dies). Raises if another live server
+    holds it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise CheckpointError(f"another server (pid {holder}) is running the run of {path}; "
+                              "two servers would publish its releases twice") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def remove(path: Path) -> None:
+    """Remove a finished run's checkpoint and its lock file."""
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".lock").unlink(missing_ok=True)
+
+
+def unlock(fd: int) -> None:
+    os.close(fd)  # closing the descriptor releases the flock
+
+
 PAUSE_ENV = "FEDPRIV_PAUSE_AFTER_STEP"
 
 

@@ -178,7 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         results = run_in_process(config, checkpoint_path=ckpt)
         write_results(results, out)
         if ckpt is not None:
-            ckpt.unlink(missing_ok=True)  # the results file is now the record of the run
+            checkpoint.remove(ckpt)  # the results file is now the record of the run
         print("\n".join(summary_lines(results)))
         print(f"fedpriv: results written to {out}")
         return 0

@@ -23,21 +23,24 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None, log=pri
     started = time.perf_counter()
     parts = num_partitions or auto_num_nodes(config.num_users, config.users_per_node)
     server = PrivateServer(config, parts, log=log, checkpoint_path=checkpoint_path)
-    algorithm_cls = type(server.algorithm)
-    for step in server.pending_steps():
-        t0 = time.perf_counter()
-        arrays = server.payload(step)
-        failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
-        replies = []
-        for p in range(parts):
-            if p in failing and config.node_fault_kind in ("crash", "timeout"):
-                replies.append(simulated_failure(p, config.node_fault_kind))
-                continue
-            users = algorithm_cls.participants(config, step,
-                                               partition_users(config.num_users, p, parts))
-            contrib = algorithm_cls.user_step(config, step, arrays, users)
-            replies.append(NodeReply(p, corrupted(contrib) if p in failing else contrib))
-        server.aggregate(step, replies, t0)
+    try:
+        algorithm_cls = type(server.algorithm)
+        for step in server.pending_steps():
+            t0 = time.perf_counter()
+            arrays = server.payload(step)
+            failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
+            replies = []
+            for p in range(parts):
+                if p in failing and config.node_fault_kind in ("crash", "timeout"):
+                    replies.append(simulated_failure(p, config.node_fault_kind))
+                    continue
+                users = algorithm_cls.participants(config, step,
+                                                   partition_users(config.num_users, p, parts))
+                contrib = algorithm_cls.user_step(config, step, arrays, users)
+                replies.append(NodeReply(p, corrupted(contrib) if p in failing else contrib))
+            server.aggregate(step, replies, t0)
+    finally:
+        server.close()
     return server.results(time.perf_counter() - started, runtime="in-process")
 
 

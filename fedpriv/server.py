@@ -103,14 +103,27 @@ class PrivateServer:
         self._last_release = releases[-1].label if releases else None
         self.completed = 0  # steps done (the next step is steps()[completed])
         self.resumed_from: int | None = None
+        # one server per checkpoint: two servers resuming one run would publish its next
+        # releases twice (released by the OS when the process dies, so a crash frees it)
+        self._lock = checkpoint.lock(self.checkpoint_path) if self.checkpoint_path else None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        """Resume (or refuse to overwrite an interrupted run), then check the budget."""
+        c = self.config
         if c.resume:
             self._restore()
         elif self.checkpoint_path is not None and self.checkpoint_path.exists():
             raise CheckpointError(
                 f"an interrupted run left a checkpoint at {self.checkpoint_path} "
                 f"({checkpoint.describe(self.checkpoint_path)}). Continue it with --resume "
-                "(resume = true), or delete the file to start over (starting over spends the "
-                "privacy budget again unless the noise is seeded identically)")
+                "(resume = true). Delete the file only to start over knowingly: the releases "
+                "already made stay spent, so a restart spends the budget again (and with the "
+                "same seeded noise, two releases of different sums would cancel it)")
         self.projected_epsilon = self._check_budget()
 
     # ----- budget guard and checkpoints ------------------------------------------------------
@@ -124,6 +137,8 @@ class PrivateServer:
             raise BudgetExceededError(
                 f"refusing to start: {c.algorithm} releases sums without noise (epsilon is "
                 f"unbounded), but max-epsilon = {c.max_epsilon} is set")
+        # each release must use the noise this check verified (see _conforms)
+        self._verified = (dict(self.multipliers), dict(self.pure_epsilons))
         if not self.plan:
             return 0.0
         projected = self._projected_epsilon()
@@ -202,7 +217,14 @@ class PrivateServer:
     def discard_checkpoint(self) -> None:
         """Remove the checkpoint once the results are safely written."""
         if self.checkpoint_path is not None:
-            self.checkpoint_path.unlink(missing_ok=True)
+            checkpoint.remove(self.checkpoint_path)
+        self.close()
+
+    def close(self) -> None:
+        """Release the checkpoint lock (a process that dies releases it too)."""
+        if self._lock is not None:
+            checkpoint.unlock(self._lock)
+            self._lock = None
 
     @functools.cached_property
     def _steps(self) -> list[Step]:
@@ -246,8 +268,9 @@ class PrivateServer:
             if part.name not in totals:
                 return "missing-part", f"no array {part.name!r}"
             total = np.asarray(totals[part.name])
-            if total.dtype.kind != "f":
-                return "dtype", f"{part.name!r} has dtype {total.dtype}, expected a float"
+            if total.dtype not in (np.float32, np.float64):
+                return "dtype", (f"{part.name!r} has dtype {total.dtype}, expected float32 or "
+                                 "float64")
             if total.shape != part.shape:
                 return "shape", f"{part.name!r} has shape {total.shape}, expected {part.shape}"
             if not np.all(np.isfinite(total)):
@@ -260,6 +283,7 @@ class PrivateServer:
         expected = self.expected_users(step)
         seen: set[int] = set()
         accepted = []
+        metric_keys = _common_metric_keys(replies) if step.is_final else None
         for reply in replies:
             contrib = reply.contribution
             if reply.error is not None or contrib is None:
@@ -279,15 +303,21 @@ class PrivateServer:
                              f"claims {contrib.num_users} users, "
                              f"{expected[reply.partition_id]} take part", counts)
                 continue
+            if not 0 <= contrib.num_clipped <= contrib.num_users:
+                self._reject(step, reply, "malformed",
+                             f"{contrib.num_clipped} users clipped of {contrib.num_users}", counts)
+                continue
             if not step.is_final:
                 problem = self._check_totals(step, contrib)
                 if problem is not None:
                     self._reject(step, reply, *problem, counts)
                     continue
-            elif contrib.metrics is None or not all(
-                np.isfinite(v) for v in contrib.metrics.values()
-            ):
-                self._reject(step, reply, "metrics", "missing or non-finite metrics", counts)
+            elif (not isinstance(contrib.metrics, Mapping)
+                  or frozenset(contrib.metrics) != metric_keys
+                  or not all(np.isfinite(v) for v in contrib.metrics.values())):
+                self._reject(step, reply, "metrics", "missing, unexpected or non-finite "
+                             "metrics (the final evaluation is the nodes' own measurement)",
+                             counts)
                 continue
             seen.add(reply.partition_id)
             accepted.append(contrib)
@@ -309,7 +339,8 @@ class PrivateServer:
                     counter[0] += hit
                 total += clamped
                 continue
-            norm = float(np.linalg.norm(value))
+            peak = float(np.max(np.abs(value), initial=0.0))  # overflow-free norm
+            norm = peak * float(np.linalg.norm(value / peak)) if peak > 0 else 0.0
             if norm > bound * (1.0 + 1e-9):
                 self.bounded += 1
                 if counter is not None:
@@ -366,10 +397,12 @@ class PrivateServer:
         population = step.population or c.num_users
         if step.parts[0].mechanism == "exponential":
             return self._select(step, accepted, population, bounded)
-        scale = self._missing_node_scale(answered)
+        scale = self._missing_node_scale(step, answered)
         means: dict[str, np.ndarray] = {}
         ledger_parts = []
         z = self.multipliers[step.release] if step.release is not None else None
+        if z is not None:
+            self._conforms(step, z, self._verified[0])
         for part in step.parts:
             mean = self._bounded_sum(part, accepted, bounded) / population
             if z is None:
@@ -398,17 +431,33 @@ class PrivateServer:
                 report["epsilon_spent"] = spent
         return report
 
-    def _missing_node_scale(self, answered: set[int]) -> float:
+    def _missing_node_scale(self, step: Step, answered: set[int]) -> float:
         """Post-processing for nodes that did not answer (``rescale-missing-nodes``): the
-        noisy mean, taken over the population fixed in advance, is multiplied by (users
-        hosted) / (users hosted by the nodes that answered). The factor uses public values only
-        (partition sizes, which nodes answered), and it is applied after the noise, so the
-        sensitivity, the noise and the accounting are those of the plan; it keeps a step's
-        size from shrinking with the share of nodes that failed."""
-        hosted = sum(len(self._partition_users[p]) for p in answered)
-        if not self.config.rescale_missing_nodes or hosted == 0:
+        noisy mean, taken over the population fixed in advance, is multiplied by (users taking
+        part) / (users taking part in the nodes that answered). It is applied after the noise,
+        so the sensitivity, the noise and the accounting are those of the plan; it keeps a
+        step's size from shrinking with the share of nodes that failed. The counts are public:
+        the step's participants (a public rule), or for a Poisson-sampled step the users the
+        nodes host (the sample itself must stay secret)."""
+        if not self.config.rescale_missing_nodes:
             return 1.0
-        return self.config.num_users / hosted
+        if self.algorithm.charge(step)[1] < 1.0:
+            counts = {p: len(ids) for p, ids in self._partition_users.items()}
+        else:
+            counts = self.expected_users(step)
+        answering = sum(counts[p] for p in answered)
+        return sum(counts.values()) / answering if answering else 1.0
+
+    def _conforms(self, step: Step, value: float, verified: Mapping[str, float]) -> None:
+        """Per-release budget guard, before any noise is drawn: the release must be the next
+        pending step (``aggregate`` checks the order) with exactly the noise the start-up
+        check composed into the projected epsilon, so the run cannot spend more than that
+        projection, which is within the ceiling."""
+        if step.release not in verified or value != verified[step.release]:
+            raise BudgetExceededError(
+                f"release {step.label} would use {value!r} for plan entry {step.release!r}, "
+                f"not the {verified.get(step.release)!r} the budget check verified; it was not "
+                "released and the run stops")
 
     def _guard(self, spent: float) -> None:
         """Last line of the budget guard: stop before a release over the ceiling leaves the
@@ -428,6 +477,7 @@ class PrivateServer:
             choice = int(np.argmin(scores))
             return dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
         epsilon = self.pure_epsilons[step.release]
+        self._conforms(step, epsilon, self._verified[1])
         # one user moves each mean score by at most bound / population, under either relation
         # (add/remove with the population fixed: a removed user's scores are 0)
         sensitivity = part.clip_norm / population
@@ -538,6 +588,14 @@ def _privacy_line(p: dict) -> str:
             f"{p['neighbouring_relation']} user-level")
 
 
+def _common_metric_keys(replies: Sequence[NodeReply]) -> frozenset[str]:
+    """The metric names most final replies carry (every honest node sends the same ones)."""
+    sets = Counter(frozenset(r.contribution.metrics) for r in replies
+                   if r.contribution is not None
+                   and isinstance(r.contribution.metrics, Mapping))
+    return sets.most_common(1)[0][0] if sets else frozenset()
+
+
 def _algorithm_state(algorithm: Any) -> dict[str, Any]:
     """The algorithm's server state: its attributes, less the config and cached values that
     are recomputed from the config."""
@@ -559,7 +617,9 @@ def _calibrate(config: RunConfig, plan) -> list[float]:
 def check_run(config: RunConfig, checkpoint_path: Path | None = None) -> PrivateServer:
     """Everything the server checks before its first step, without running: the privacy plan,
     the budget ceiling and, when resuming, the checkpoint. Raises if the run cannot start."""
-    return PrivateServer(config, 1, log=lambda _: None, checkpoint_path=checkpoint_path)
+    server = PrivateServer(config, 1, log=lambda _: None, checkpoint_path=checkpoint_path)
+    server.close()
+    return server
 
 
 def check_plan(config: RunConfig) -> list[float]:

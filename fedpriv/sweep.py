@@ -431,7 +431,8 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9.0, 4.8), dpi=120)
     markers = iter("osD^v<>ph*")
     dashes = iter(["--", ":", "-.", (0, (5, 2, 1, 2)), (0, (1, 3)), (0, (8, 3))] * 4)
-    eps_styles = dict(zip(spec.epsilons, ["-", "--", ":", "-.", (0, (5, 2, 1, 2))] * 4))
+    line_styles = ["-", "--", ":", "-.", (0, (5, 2, 1, 2))] * 4
+    eps_styles = dict(zip(spec.epsilons, line_styles, strict=False))  # more styles than needed
     for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
         color = f"C{i % 10}"
         pts = [r for r in rows if r["series"] == series]
