@@ -439,7 +439,7 @@ class PrivateServer:
         step's size from shrinking with the share of nodes that failed. The counts are public:
         the step's participants (a public rule), or for a Poisson-sampled step the users the
         nodes host (the sample itself must stay secret)."""
-        if not self.config.rescale_missing_nodes:
+        if not (self.config.rescale_missing_nodes and self.algorithm.rescale_for_missing_nodes):
             return 1.0
         if self.algorithm.charge(step)[1] < 1.0:
             counts = {p: len(ids) for p, ids in self._partition_users.items()}

@@ -106,6 +106,8 @@ class Algorithm:
     private: ClassVar[bool] = True
     summary: ClassVar[str] = ""
     supports_user_groups: ClassVar[bool] = False  # may a step cover one user group only?
+    # may the server rescale a noisy mean for nodes that did not answer (post-processing)?
+    rescale_for_missing_nodes: ClassVar[bool] = True
     # feature families the algorithm's problem supports (the first is what 'auto' means)
     feature_families: ClassVar[tuple[str, ...]] = ("gaussian", "rademacher", "uniform", "mixed")
 

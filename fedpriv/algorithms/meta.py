@@ -303,6 +303,11 @@ class MetaCluster(_ClusterMeta):
 class _OnePass(MetaAlgorithm):
     """DP-FTMRL: every task once, in T disjoint batches, tree-aggregated noise."""
 
+    # the released batch means are summed into prefix sums whose tree noise cancels only if
+    # every batch keeps its scale (measured: 20% failing nodes, worst ratio 1.10 without the
+    # rescale, 1.22 with it)
+    rescale_for_missing_nodes = False
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.start = self.models.copy()
