@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 
 from fedpriv.cohorts import auto_num_nodes
 from fedpriv.config import ConfigError, RunConfig, default_mapping
+from fedpriv.deployment import toml_value
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 DEFAULT_LOCAL_SUPERLINK_PORT = 39091
@@ -119,7 +119,7 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         run_config = Path(tmp) / "run-config.toml"
         lines = []
         for key, value in {**values, "results-path": str(out)}.items():
-            lines.append(f"{key} = {json.dumps(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         run_config.write_text("\n".join(lines) + "\n")
         federation = f"num-supernodes={nodes}"
         if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
@@ -159,14 +159,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         values = load_run_config(args.config, args.set or [])
         if args.resume:
             values["resume"] = True
+        if args.out:
+            values["results-path"] = args.out
         config = RunConfig.from_mapping(values, strict=True)
-        out = Path(args.out or config.results_path).expanduser().resolve()
         # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
-        values["results-path"] = str(out)
-        ckpt = checkpoint.checkpoint_path(RunConfig.from_mapping(values)) if (
-            config.checkpoint) else None
-        if ckpt is not None:
-            values["checkpoint-path"] = str(ckpt)
+        out = Path(config.results_path).expanduser().resolve()
+        ckpt = checkpoint.checkpoint_path(config) if config.checkpoint else None
+        values.update({"results-path": str(out), "checkpoint-path": str(ckpt or "")})
         config = RunConfig.from_mapping(values, strict=True)
         check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:

@@ -172,7 +172,7 @@ def register_argv(public_key: str, connection: str = CONNECTION) -> list[str]:
 
 def run_config_string(values: Mapping[str, Any]) -> str:
     """``key=value`` pairs for ``flwr run --run-config`` (values as TOML literals)."""
-    return " ".join(f"{key}={_toml_value(value)}" for key, value in values.items())
+    return " ".join(f"{key}={toml_value(value)}" for key, value in values.items())
 
 
 def submit_argv(app_dir: str, run_config: Mapping[str, Any],
@@ -189,11 +189,11 @@ def connection_toml(superlink_address: str, root_certificates: str | None,
     """The ``[superlink.<connection>]`` table of Flower's ``config.toml``."""
     if not re.fullmatch(r"[A-Za-z0-9_-]+", connection):
         raise ValueError(f"connection name {connection!r}: use letters, digits, '-' and '_'")
-    lines = [f"[superlink.{connection}]", f"address = {_toml_value(superlink_address)}"]
+    lines = [f"[superlink.{connection}]", f"address = {toml_value(superlink_address)}"]
     if root_certificates is None:
         lines.append("insecure = true")
     else:
-        lines.append(f"root-certificates = {_toml_value(root_certificates)}")
+        lines.append(f"root-certificates = {toml_value(root_certificates)}")
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +219,7 @@ def submit_command(d: Deployment, results: str, settings: Mapping[str, Any] | No
     if config:
         argv += ["--config", config]
     for key, value in (settings or {}).items():
-        argv += ["--set", f"{key}={_toml_value(value)}"]
+        argv += ["--set", f"{key}={toml_value(value)}"]
     return argv
 
 
@@ -473,7 +473,7 @@ def compose_yaml(num_nodes: int = 3, secure: bool = True,
     results = f"{CONTAINER_RESULTS}/{RESULTS_FILE}"
     args = "" if num_nodes == 3 else f" --nodes {num_nodes}"
     args += "" if secure else " --insecure"
-    args += "".join(f" --set {k}={_toml_value(v)}" for k, v in (settings or {}).items())
+    args += "".join(f" --set {k}={toml_value(v)}" for k, v in (settings or {}).items())
     out = [_HEADER.format(args=args, mode=_SECURE_NOTE if secure else _INSECURE_NOTE,
                           file="" if secure else " -f docker-compose.insecure.yml",
                           results_dir=RESULTS_DIR, results=RESULTS_FILE)]
@@ -584,7 +584,8 @@ def _flow(prefix: str, items: Sequence[str], width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A TOML literal of a run-config value."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -659,7 +660,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from fedpriv.cli import load_run_config
     from fedpriv.config import ConfigError, RunConfig
     from fedpriv.privacy.accounting import InfeasiblePlanError
-    from fedpriv.server import check_plan
+    from fedpriv.server import check_run
 
     ca = _tls(args)
     if not Path(args.results).is_absolute():
@@ -668,7 +669,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     sets = list(args.set or [])
     try:
         values = {**load_run_config(args.config, sets), "results-path": args.results}
-        check_plan(RunConfig.from_mapping(values, strict=True))  # fail before submitting
+        check_run(RunConfig.from_mapping(values, strict=True))  # plan and budget, first
         # only what differs from the app's defaults goes on the command line
         overrides = {**_explicit(args.config), **_sets(sets), "results-path": args.results}
     except (ConfigError, InfeasiblePlanError) as err:

@@ -101,7 +101,6 @@ class PrivateServer:
         self._expected_cache: tuple[str, dict[int, int]] | None = None
         releases = [s for s in self.steps() if s.release is not None]
         self._last_release = releases[-1].label if releases else None
-        self.completed = 0  # steps done (the next step is steps()[completed])
         self.resumed_from: int | None = None
         # one server per checkpoint: two servers resuming one run would publish its next
         # releases twice (released by the OS when the process dies, so a crash frees it)
@@ -138,7 +137,7 @@ class PrivateServer:
                 f"refusing to start: {c.algorithm} releases sums without noise (epsilon is "
                 f"unbounded), but max-epsilon = {c.max_epsilon} is set")
         # each release must use the noise this check verified (see _conforms)
-        self._verified = (dict(self.multipliers), dict(self.pure_epsilons))
+        self._verified = {**self.multipliers, **self.pure_epsilons}
         if not self.plan:
             return 0.0
         projected = self._projected_epsilon()
@@ -165,6 +164,11 @@ class PrivateServer:
             accountant.record(step.label, self.multipliers[step.release], groups=groups,
                               sampling_rate=rate, evaluate=False)
         return accountant.epsilon()
+
+    @property
+    def completed(self) -> int:
+        """Steps done: one report each (the next step is ``steps()[completed]``)."""
+        return len(self.rounds)
 
     def pending_steps(self) -> list[Step]:
         """The steps still to run (all of them, or those after a resumed checkpoint)."""
@@ -205,7 +209,7 @@ class PrivateServer:
         self.rejections, self.bounded = state["rejections"], state["bounded"]
         self.rounds, self.metrics = state["rounds"], state["metrics"]
         self._releases, self._unnoised = state["releases"], state["unnoised"]
-        self.completed = self.resumed_from = state["completed"]
+        self.resumed_from = self.completed
         self.log(f"fedpriv: resumed from {self.checkpoint_path}: {self.completed} of "
                  f"{len(self.steps())} steps done, epsilon spent {state['epsilon_spent']:.4g}")
 
@@ -249,10 +253,8 @@ class PrivateServer:
         return self._expected_cache[1]
 
     # ----- checks ----------------------------------------------------------------------------
-    def _reject(self, step: Step, reply: NodeReply, kind: str, detail: str,
-                counts: Counter[str]) -> None:
+    def _reject(self, step: Step, reply: NodeReply, kind: str, detail: str) -> None:
         self.rejections[kind] += 1
-        counts[kind] += 1
         self.log(f"  {step.label}: rejected node (partition {reply.partition_id}): {kind}: "
                  f"{detail}")
 
@@ -277,8 +279,8 @@ class PrivateServer:
                 return "non-finite", f"non-finite values in {part.name!r}"
         return None
 
-    def _accepted(self, step: Step, replies: Sequence[NodeReply],
-                  counts: Counter[str]) -> tuple[list[UserContribution], set[int]]:
+    def _accepted(self, step: Step,
+                  replies: Sequence[NodeReply]) -> tuple[list[UserContribution], set[int]]:
         """The usable contributions, and the partitions they come from."""
         expected = self.expected_users(step)
         seen: set[int] = set()
@@ -288,43 +290,40 @@ class PrivateServer:
             contrib = reply.contribution
             if reply.error is not None or contrib is None:
                 kind = reply.failure if reply.failure in REJECTION_KINDS else "node-error"
-                self._reject(step, reply, kind, reply.error or "no content", counts)
+                self._reject(step, reply, kind, reply.error or "no content")
                 continue
             if reply.partition_id not in expected:
                 self._reject(step, reply, "unknown-partition",
-                             f"partition {reply.partition_id} is not one of this run's", counts)
+                             f"partition {reply.partition_id} is not one of this run's")
                 continue
             if reply.partition_id in seen:
-                self._reject(step, reply, "duplicate", "a second reply for the partition",
-                             counts)
+                self._reject(step, reply, "duplicate", "a second reply for the partition")
                 continue
             if contrib.num_users != expected[reply.partition_id]:
                 self._reject(step, reply, "user-count",
                              f"claims {contrib.num_users} users, "
-                             f"{expected[reply.partition_id]} take part", counts)
+                             f"{expected[reply.partition_id]} take part")
                 continue
             if not 0 <= contrib.num_clipped <= contrib.num_users:
                 self._reject(step, reply, "malformed",
-                             f"{contrib.num_clipped} users clipped of {contrib.num_users}", counts)
+                             f"{contrib.num_clipped} users clipped of {contrib.num_users}")
                 continue
             if not step.is_final:
                 problem = self._check_totals(step, contrib)
                 if problem is not None:
-                    self._reject(step, reply, *problem, counts)
+                    self._reject(step, reply, *problem)
                     continue
             elif (not isinstance(contrib.metrics, Mapping)
                   or frozenset(contrib.metrics) != metric_keys
                   or not all(np.isfinite(v) for v in contrib.metrics.values())):
                 self._reject(step, reply, "metrics", "missing, unexpected or non-finite "
-                             "metrics (the final evaluation is the nodes' own measurement)",
-                             counts)
+                             "metrics (the final evaluation is the nodes' own measurement)")
                 continue
             seen.add(reply.partition_id)
             accepted.append(contrib)
         return accepted, seen
 
-    def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution],
-                     counter: list[int] | None = None) -> np.ndarray:
+    def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution]) -> np.ndarray:
         """Sum of node totals, each scaled to norm <= users * clip (the trusted-node bound);
         score vectors (exponential mechanism) are clamped entrywise to [0, users * bound]."""
         total = np.zeros(part.shape)
@@ -333,18 +332,13 @@ class PrivateServer:
             bound = contrib.num_users * part.clip_norm
             if part.mechanism == "exponential":
                 clamped = np.clip(value, 0.0, bound)
-                hit = int(not np.array_equal(clamped, value))
-                self.bounded += hit
-                if counter is not None:
-                    counter[0] += hit
+                self.bounded += int(not np.array_equal(clamped, value))
                 total += clamped
                 continue
             peak = float(np.max(np.abs(value), initial=0.0))  # overflow-free norm
             norm = peak * float(np.linalg.norm(value / peak)) if peak > 0 else 0.0
             if norm > bound * (1.0 + 1e-9):
                 self.bounded += 1
-                if counter is not None:
-                    counter[0] += 1
                 total += value * (bound / norm)
             else:
                 total += value
@@ -356,15 +350,15 @@ class PrivateServer:
         if step != self.pending_steps()[0]:
             raise RuntimeError(f"step {step.label} is out of order; next is "
                                f"{self.pending_steps()[0].label}")
-        rejected: Counter[str] = Counter()
-        accepted, answered = self._accepted(step, replies, rejected)
+        rejections, bounded = Counter(self.rejections), self.bounded
+        accepted, answered = self._accepted(step, replies)
         users = sum(a.num_users for a in accepted)
         report: dict[str, Any] = {
             "step": step.label,
             "nodes_answered": len(accepted),
             "nodes_failed": self.num_partitions - len(accepted),
             "users_contributing": users,
-            "rejected": dict(rejected),
+            "rejected": dict(self.rejections - rejections),
         }
         if step.group is not None:
             report["user_group"] = step.group
@@ -379,32 +373,30 @@ class PrivateServer:
                 self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)
         else:
-            bounded = [0]
-            report.update(self._release(step, accepted, bounded, answered))
-            report["nodes_bounded"] = bounded[0]
+            report.update(self._release(step, accepted, answered))
+            report["nodes_bounded"] = self.bounded - bounded
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
         self.rounds.append(report)
-        self.completed += 1
         self._save_checkpoint()  # before anything of this step leaves the server
         self.log(_progress_line(report, len(self.steps()), len(self.rounds)))
         return report
 
     def _release(self, step: Step, accepted: Sequence[UserContribution],
-                 bounded: list[int], answered: set[int]) -> dict[str, Any]:
+                 answered: set[int]) -> dict[str, Any]:
         """Noisy population means of the step's parts, applied and (if private) accounted."""
         c = self.config
         population = step.population or c.num_users
         if step.parts[0].mechanism == "exponential":
-            return self._select(step, accepted, population, bounded)
+            return self._select(step, accepted, population)
         scale = self._missing_node_scale(step, answered)
         means: dict[str, np.ndarray] = {}
         ledger_parts = []
         z = self.multipliers[step.release] if step.release is not None else None
         if z is not None:
-            self._conforms(step, z, self._verified[0])
+            self._conforms(step, z)
         for part in step.parts:
-            mean = self._bounded_sum(part, accepted, bounded) / population
+            mean = self._bounded_sum(part, accepted) / population
             if z is None:
                 self._unnoised += 1
                 means[part.name] = mean
@@ -448,11 +440,12 @@ class PrivateServer:
         answering = sum(counts[p] for p in answered)
         return sum(counts.values()) / answering if answering else 1.0
 
-    def _conforms(self, step: Step, value: float, verified: Mapping[str, float]) -> None:
+    def _conforms(self, step: Step, value: float) -> None:
         """Per-release budget guard, before any noise is drawn: the release must be the next
         pending step (``aggregate`` checks the order) with exactly the noise the start-up
         check composed into the projected epsilon, so the run cannot spend more than that
         projection, which is within the ceiling."""
+        verified = self._verified
         if step.release not in verified or value != verified[step.release]:
             raise BudgetExceededError(
                 f"release {step.label} would use {value!r} for plan entry {step.release!r}, "
@@ -468,16 +461,16 @@ class PrivateServer:
                 "the release was not published and the run stops")
 
     def _select(self, step: Step, accepted: Sequence[UserContribution],
-                population: int, bounded: list[int]) -> dict[str, Any]:
+                population: int) -> dict[str, Any]:
         """The exponential mechanism over the candidates' mean scores (lower is better)."""
         (part,) = step.parts
-        scores = self._bounded_sum(part, accepted, bounded) / population
+        scores = self._bounded_sum(part, accepted) / population
         if step.release is None:  # non-private: the best candidate
             self._unnoised += 1
             choice = int(np.argmin(scores))
             return dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
         epsilon = self.pure_epsilons[step.release]
-        self._conforms(step, epsilon, self._verified[1])
+        self._conforms(step, epsilon)
         # one user moves each mean score by at most bound / population, under either relation
         # (add/remove with the population fixed: a removed user's scores are 0)
         sensitivity = part.clip_norm / population

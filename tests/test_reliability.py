@@ -2,6 +2,7 @@
 the budget guard, checkpoint/resume and secure noise -- for every private algorithm."""
 
 import copy
+import functools
 import os
 import pickle
 from collections.abc import Callable
@@ -190,21 +191,15 @@ class LoopbackGrid:
         return replies
 
 
-def _rebuilt(reply: Message, arrays: dict | None = None, metrics: dict | None = None) -> list:
+def _rebuilt(reply: Message, arrays: dict | None = None,
+             metrics: dict | None = None) -> list[RecordDict]:
     content = RecordDict()
     content[P.METRICS] = MetricRecord(metrics if metrics is not None else dict(
         reply.content[P.METRICS]))
     if arrays is None:
         arrays = {k: v.numpy() for k, v in reply.content[P.ARRAYS].items()}
     content[P.ARRAYS] = ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
-    return [Message(content, reply_to=_request(reply))]
-
-
-_REQUESTS: dict[int, Message] = {}
-
-
-def _request(reply: Message) -> Message:
-    return _REQUESTS[id(reply)]
+    return [content]
 
 
 def _arrays(reply):
@@ -243,11 +238,9 @@ HOSTILE = {
     "fewer-users": (lambda r: _rebuilt(r, metrics=_users(r, -1)), "user-count"),
     "fractional-users": (lambda r: _rebuilt(r, metrics={**dict(r.content[P.METRICS]),
                                                         P.KEY_NUM_USERS: 10.5}), "malformed"),
-    "no-metrics": (lambda r: [Message(RecordDict({P.ARRAYS: r.content[P.ARRAYS]}),
-                                      reply_to=_request(r))], "malformed"),
-    "error-reply": (lambda r: [Message(Error(code=0, reason="boom"), reply_to=_request(r))],
-                    "node-error"),
-    "duplicate": (lambda r: [r, r], "duplicate"),
+    "no-metrics": (lambda r: [RecordDict({P.ARRAYS: r.content[P.ARRAYS]})], "malformed"),
+    "error-reply": (lambda r: [Error(code=0, reason="boom")], "node-error"),
+    "duplicate": (lambda r: [r.content, r.content], "duplicate"),
     "float128": (lambda r: _rebuilt(r, _first(_arrays(r), lambda a: np.full(
         a.shape, np.float128("1e400")))), "dtype"),
     "more-clipped-than-users": (lambda r: _rebuilt(r, metrics={
@@ -274,12 +267,15 @@ HOSTILE_FINAL = {
 }
 
 
-def _tamper_with(kind: str, final: str | None = None):
+def _tamper_with(kind: str | None, final: str | None = None):
+    """A hostile node: its release replies built by HOSTILE[kind], its final one by
+    HOSTILE_FINAL[final] (None: honest there)."""
     def tamper(request: Message, reply: Message) -> list[Message]:
-        _REQUESTS[id(reply)] = request
         if request.metadata.message_type == P.MSG_FINAL:
-            return HOSTILE_FINAL[final](reply) if final else [reply]
-        return HOSTILE[kind][0](reply) if kind else [reply]
+            build = HOSTILE_FINAL[final] if final else None
+        else:
+            build = HOSTILE[kind][0] if kind else None
+        return [Message(c, reply_to=request) for c in build(reply)] if build else [reply]
     return tamper
 
 
@@ -310,20 +306,12 @@ def test_a_hostile_node_is_rejected_and_counted_and_the_run_goes_on(task_identit
     assert results["metrics"] and all(np.isfinite(v) for v in results["metrics"].values())
     # the noise and the accounting are exactly those of an honest run: a hostile node cannot
     # make the server release more, or with less noise
-    assert release_record(results) == release_record(_HONEST_RUNS(algorithm))
+    assert release_record(results) == release_record(_honest_run(algorithm))
 
 
-def _honest_runs():
-    cache: dict[str, dict] = {}
-
-    def get(algorithm: str) -> dict:
-        if algorithm not in cache:
-            cache[algorithm] = quiet(make_config(algorithm), parts=4)
-        return cache[algorithm]
-    return get
-
-
-_HONEST_RUNS = _honest_runs()
+@functools.lru_cache(maxsize=None)
+def _honest_run(algorithm: str) -> dict:
+    return quiet(make_config(algorithm), parts=4)
 
 
 @pytest.mark.parametrize("algorithm", sorted(PRIVATE))
@@ -348,8 +336,8 @@ def test_an_oversized_update_is_bounded_to_the_sensitivity_not_rejected(task_ide
     def blow_up(request, reply):
         if request.metadata.message_type == P.MSG_FINAL:
             return [reply]
-        _REQUESTS[id(reply)] = request
-        return _rebuilt(reply, {k: (v + 1.0) * 1e6 for k, v in _arrays(reply).items()})
+        return [Message(c, reply_to=request) for c in _rebuilt(
+            reply, {k: (v + 1.0) * 1e6 for k, v in _arrays(reply).items()})]
 
     results = _strategy_run(config, LoopbackGrid(config, 4, blow_up))
     releases = [r for r in results["rounds"] if r["step"] != "final"]
