@@ -222,13 +222,20 @@ def _split_override(item: str) -> tuple[str, Any]:
     return key.strip(), _parse_value(text.strip())
 
 
-def cmd_algorithms(_: argparse.Namespace) -> int:
-    from fedpriv.registry import available, get_algorithm
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    from fedpriv import keys
 
-    names = available()
-    width = max(map(len, names), default=0)
-    for name in names:
-        print(f"{name:<{width}}  {get_algorithm(name).summary}")
+    if args.markdown:
+        print(keys.markdown_tables())
+    elif args.flwr_config:
+        print(keys.app_config_toml())
+    else:
+        try:
+            print("\n".join(keys.algorithm_lines(args.name, verbose=args.verbose or
+                                                  bool(args.name))))
+        except KeyError as err:
+            print(f"fedpriv: {err.args[0]}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -300,7 +307,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="multiply the calibrated noise (below 1: a deliberately broken "
                          "release, to see the audit catch it)")
     au.set_defaults(func=cmd_audit)
-    algos = sub.add_parser("algorithms", help="list registered algorithms")
+    algos = sub.add_parser("algorithms", help="list registered algorithms with their own keys")
+    algos.add_argument("name", nargs="?", help="one algorithm, with each key's meaning")
+    algos.add_argument("--verbose", action="store_true", help="each key's meaning and range")
+    algos.add_argument("--markdown", action="store_true",
+                       help="the README's key tables (built-in algorithms)")
+    algos.add_argument("--flwr-config", action="store_true",
+                       help="the Flower app's [tool.flwr.app.config] table")
     algos.set_defaults(func=cmd_algorithms)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -11,11 +11,14 @@ Two kinds of draws exist in a run:
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+_GROUP_STREAM = 0x6A17
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -61,3 +64,16 @@ def noise_generator(config: Any, release_index: int) -> np.random.Generator:
         return np.random.default_rng(np.random.SeedSequence())
     seed = config.noise_seed if config.noise_seed >= 0 else config.seed
     return server_generator(seed, release_index)
+
+
+@lru_cache(maxsize=8)
+def user_groups(seed: int, num_users: int, groups: int) -> np.ndarray:
+    """Group of every user id (Priv-AltMin's user groups, Jain et al. Alg. 1 lines 2 and 4;
+    DP-FTMRL's one-pass batches): a seeded permutation cut in ``groups``
+    contiguous, near-equal pieces. Public: a function of (seed, n, G) only."""
+    order = np.random.default_rng([seed, _GROUP_STREAM]).permutation(num_users)
+    group_of = np.empty(num_users, dtype=np.int64)
+    for g, chunk in enumerate(np.array_split(order, groups)):
+        group_of[chunk] = g
+    group_of.setflags(write=False)
+    return group_of

@@ -23,7 +23,7 @@ from fedpriv import checkpoint
 from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.checkpoint import CheckpointError
 from fedpriv.cohorts import partition_users
-from fedpriv.config import RESUMABLE_KEYS, RunConfig
+from fedpriv.config import RunConfig, resumable_keys
 from fedpriv.privacy.accounting import (
     Accountant,
     InfeasiblePlanError,
@@ -193,7 +193,7 @@ class PrivateServer:
         state = checkpoint.load(self.checkpoint_path)
         stored, wanted = state["config"], self.config.to_mapping()
         changed = sorted(k for k in set(stored) | set(wanted)
-                         if k not in RESUMABLE_KEYS and stored.get(k) != wanted.get(k))
+                         if k not in resumable_keys() and stored.get(k) != wanted.get(k))
         if changed:
             raise CheckpointError(
                 f"checkpoint {self.checkpoint_path} belongs to another run; these keys differ: "

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config import ConfigError, RunConfig, default_mapping
+from fedpriv.config import ConfigError, RunConfig, default_mapping, select_keys
 from fedpriv.privacy.accounting import InfeasiblePlanError
 
 METRIC = "population_mse"  # the default metric
@@ -131,6 +131,8 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
     x_key, x_values = _x_axis(sweep)
     set_by_sweep = _SET_BY_SWEEP + (() if x_key == "epsilon" else (x_key,))
     base = {**raw.get("base", {}), **(overrides or {})}
+    _check_base_keys(base, [entry.get("algorithm") for entry in raw.get("series") or []
+                            if isinstance(entry, dict)])
     for key in set_by_sweep:
         if key in base:
             raise ConfigError(f"[base] {key}: set by the sweep itself; remove it from [base]")
@@ -160,7 +162,9 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
             algorithm = get_algorithm(entry["algorithm"])
         except KeyError as err:
             raise ConfigError(f"{where} algorithm: {err.args[0]}") from None
-        values = {**default_mapping(), **base, **extra, "algorithm": entry["algorithm"]}
+        # [base] is shared: each series takes the keys its algorithm reads
+        values = {**default_mapping(), **select_keys(base, entry["algorithm"]), **extra,
+                  "algorithm": entry["algorithm"]}
         xs: list[Any] = x_values or [None]
         first = {} if xs[0] is None else {x_key: xs[0]}
         probe = _config(where, {**values, **first, "epsilon": float(epsilons[0]),
@@ -208,7 +212,7 @@ def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
             raise ConfigError("[sweep] x-values: only with x set to a run-config key (the "
                               "epsilon values are [sweep] epsilons)")
         return "epsilon", []
-    if not isinstance(x_key, str) or x_key not in default_mapping():
+    if not isinstance(x_key, str) or x_key not in _any_algorithm_keys():
         raise ConfigError(f"[sweep] x: {x_key!r} is not a run-config key")
     if x_key in _SET_BY_SWEEP:
         raise ConfigError(f"[sweep] x: {x_key} cannot be the x axis")
@@ -219,6 +223,33 @@ def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
     if len(set(x_values)) != len(x_values):
         raise ConfigError("[sweep] x-values: duplicate values")
     return x_key, sorted(x_values)
+
+
+def _any_algorithm_keys() -> set[str]:
+    from fedpriv.registry import available, get_algorithm
+
+    keys = set(default_mapping())
+    for name in available():
+        keys |= set(get_algorithm(name).declared_params())
+    return keys
+
+
+def _check_base_keys(base: dict[str, Any], algorithms: list[Any]) -> None:
+    """A [base] key must be read by the algorithm of at least one series (or be a core key):
+    a key nobody reads is a typo."""
+    from fedpriv.config import algorithm_params
+
+    read = set(default_mapping())
+    for name in algorithms:
+        if isinstance(name, str):
+            try:
+                read |= set(algorithm_params(name))
+            except ConfigError:
+                pass  # the unknown algorithm is reported with its series
+    unread = sorted(set(base) - read)
+    if unread:
+        raise ConfigError(f"[base]: key(s) {unread} are read by none of the series' algorithms "
+                          "(`fedpriv algorithms` lists each algorithm's keys)")
 
 
 def _config(where: str, values: dict[str, Any]) -> RunConfig:
@@ -411,10 +442,12 @@ def markdown_table(rows: list[dict], spec: SweepSpec | None = None) -> str:
 def _subtitle(spec: SweepSpec) -> str:
     if spec.subtitle:
         return spec.subtitle
-    b = {**default_mapping(), **spec.base}
+    b = RunConfig.from_mapping(spec.runs[0].values).to_mapping() if spec.runs else {}
     shown = [("n", "num-users"), ("d", "dim"), ("k", "rank"), ("m", "samples-per-user")]
-    parts = [f"{sym}={b[key]}" for sym, key in shown if key != spec.x]
-    return ", ".join(parts + [f"R={b['label-noise']:g}", f"$\\delta$={b['delta']:g}"])
+    parts = [f"{sym}={b[key]}" for sym, key in shown if key != spec.x and key in b]
+    if "label-noise" in b:
+        parts.append(f"R={b['label-noise']:g}")
+    return ", ".join(parts + [f"$\\delta$={b['delta']:g}"])
 
 
 def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedpriv.algorithms.personalization import local_models, problem_of
+from fedpriv.algorithms.personalization.problem import local_models, problem_of
 from fedpriv.config import ConfigError
 from fedpriv.data.synthetic import generate_users, ground_truth_embedding
 from fedpriv.engine import run_in_process

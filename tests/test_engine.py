@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
+from fedpriv.algorithms.shared_params import DIM
 from fedpriv.config import RunConfig
 from fedpriv.engine import run_in_process
+from fedpriv.params import ParamGroup
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.registry import available, register
 from tests.conftest import small_config
@@ -50,6 +52,7 @@ class MeanEstimation(Algorithm):
     """A plug-in written against the public contract: private mean of users' feature means."""
 
     name = "test-private-mean"
+    components = (ParamGroup("mean estimation", (DIM,)),)  # declares the keys it reads
 
     def privacy_plan(self):
         return [PlannedRelease("mean", 1.0)]

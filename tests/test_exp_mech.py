@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from fedpriv.algorithms import exp_mech as em
 from fedpriv.algorithms.base import UserContribution
+from fedpriv.algorithms.exp_mech import exp_mech_math as em
 from fedpriv.config import ConfigError, RunConfig
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import (

@@ -1,8 +1,13 @@
 import numpy as np
 import pytest
 
-from fedpriv.algorithms import fedrep, private_init
-from fedpriv.algorithms.linear import least_squares, orthonormalize, subspace_distance
+from fedpriv.algorithms.personalization import fedrep_math as fedrep
+from fedpriv.algorithms.personalization import init_math as private_init
+from fedpriv.algorithms.personalization.linear_math import (
+    least_squares,
+    orthonormalize,
+    subspace_distance,
+)
 from fedpriv.data import SyntheticProblem, generate_users, ground_truth_embedding
 from fedpriv.randomness import user_uniforms
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
 
-from fedpriv.algorithms import meta_learning as ml
 from fedpriv.algorithms.base import UserContribution
+from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.cohorts import partition_users
-from fedpriv.config import ConfigError, RunConfig
+from fedpriv.config import ConfigError, RunConfig, select_keys
 from fedpriv.data.meta import MetaProblem, cluster_centers, generate_tasks
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import InfeasiblePlanError, mean_sensitivity
@@ -30,7 +30,7 @@ def meta_config(**overrides) -> RunConfig:
     values = {**PAPER, "algorithm": "meta-nsgd", "num-users": 400, "rounds": 10,
               "epsilon": 2.0}
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
-    return RunConfig.from_mapping(values)
+    return RunConfig.from_mapping(select_keys(values))  # PAPER is shared by every algorithm
 
 
 def quiet_run(config, parts=None):

@@ -6,14 +6,20 @@ import math
 import numpy as np
 import pytest
 
-from fedpriv.algorithms import altmin, private_init
 from fedpriv.algorithms.base import UserContribution
-from fedpriv.algorithms.linear import local_vectors, orthonormalize, subspace_distance
-from fedpriv.algorithms.priv_altmin import PrivAltMin, user_groups
+from fedpriv.algorithms.personalization import altmin_math as altmin
+from fedpriv.algorithms.personalization import init_math as private_init
+from fedpriv.algorithms.personalization.linear_math import (
+    local_vectors,
+    orthonormalize,
+    subspace_distance,
+)
+from fedpriv.algorithms.personalization.priv_altmin import PrivAltMin
 from fedpriv.cohorts import partition_users
 from fedpriv.data.synthetic import SyntheticProblem, generate_users, ground_truth_embedding
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import mean_sensitivity
+from fedpriv.randomness import user_groups
 from fedpriv.server import NodeReply, PrivateServer
 from tests.conftest import small_config
 from tests.test_accounting import analytic_gaussian_epsilon

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedpriv.algorithms.base import UserContribution
-from fedpriv.algorithms.private_fedrep import PrivateFedRep
+from fedpriv.algorithms.personalization.private_fedrep import PrivateFedRep
 from fedpriv.cohorts import partition_users
 from fedpriv.privacy.accounting import mean_sensitivity
 from fedpriv.server import NodeReply, PrivateServer

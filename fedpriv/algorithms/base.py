@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fedpriv.params import ConfigError, Param, ParamGroup, merge_params
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import gaussian_noise, symmetric_gaussian_noise
 
@@ -105,36 +106,43 @@ class Algorithm:
     name: ClassVar[str] = ""
     private: ClassVar[bool] = True
     summary: ClassVar[str] = ""
-    supports_user_groups: ClassVar[bool] = False  # may a step cover one user group only?
     # may the server rescale a noisy mean for nodes that did not answer (post-processing)?
     rescale_for_missing_nodes: ClassVar[bool] = True
     # feature families the algorithm's problem supports (the first is what 'auto' means)
     feature_families: ClassVar[tuple[str, ...]] = ("gaussian", "rademacher", "uniform", "mixed")
+    # the run-config keys the algorithm reads besides the core ones, one group per component
+    # (problem, initialization, rounds, ...); a subclass extends its parent's tuple
+    components: ClassVar[tuple[ParamGroup, ...]] = ()
 
     def __init__(self, config: Any) -> None:
         self.config = config
 
     # ----- configuration ---------------------------------------------------------------------
     @classmethod
+    def declared_params(cls) -> dict[str, Param]:
+        """Every key of the algorithm's components (a shared key is one declaration)."""
+        return merge_params(cls.components)
+
+    @classmethod
     def validate(cls, config: Any) -> None:
-        """Raise ``fedpriv.config.ConfigError`` naming the key when the config cannot run.
+        """Raise ``fedpriv.params.ConfigError`` naming the key when the config cannot run.
 
-        Subclasses extend it (calling ``super().validate``): a private algorithm needs
-        clipping (it is what bounds the sensitivity), and only an algorithm that supports user
-        groups accepts ``user-groups`` other than 1.
+        Called after every key was parsed and range-checked. Runs each component's relation
+        check; subclasses add their own (calling ``super().validate``). A private algorithm
+        needs clipping (it is what bounds the sensitivity), and the feature family must be one
+        the problem supports.
         """
-        from fedpriv.config import ConfigError
-
-        if cls.private and not config.clipping:
+        for group in dict.fromkeys(cls.components):
+            if group.check is not None:
+                group.check(config)
+        if cls.private and config.has("clipping") and not config.clipping:
             raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true "
                               "(only the non-private baselines may turn it off)")
-        if config.feature_dist != "auto" and config.feature_dist not in cls.feature_families:
+        if (config.has("feature-dist") and config.feature_dist != "auto"
+                and config.feature_dist not in cls.feature_families):
             raise ConfigError(f"feature-dist: {cls.name} supports "
                               f"{', '.join(cls.feature_families)} (or auto), not "
                               f"{config.feature_dist!r}")
-        if config.user_groups != 1 and not cls.supports_user_groups:
-            raise ConfigError(f"user-groups: {cls.name} uses every user each round; "
-                              "user-groups must be 1")
 
     def privacy_plan(self) -> list[PlannedRelease]:
         """Every private release one user takes part in, with budget weights."""

@@ -25,45 +25,30 @@ measured at n = 20,000, eps = 1 a share of 0.85 halves the population MSE.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms import altmin
 from fedpriv.algorithms.base import Part, Step, UserContribution
-from fedpriv.algorithms.personalization import EmbeddingAlgorithm, clip_or_inf
+from fedpriv.algorithms.personalization import altmin_math as altmin
+from fedpriv.algorithms.personalization.embedding import EmbeddingAlgorithm
+from fedpriv.algorithms.personalization.params import ALTMIN
+from fedpriv.algorithms.personalization.problem import clip_or_inf
+from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
-from fedpriv.registry import register
-
-_GROUP_STREAM = 0x6A17
+from fedpriv.randomness import user_groups
 
 
-@lru_cache(maxsize=8)
-def user_groups(seed: int, num_users: int, groups: int) -> np.ndarray:
-    """Group of every user id (Alg. 1 line 2 and 4): a seeded permutation cut in ``groups``
-    contiguous, near-equal pieces. Public: a function of (seed, n, G) only."""
-    order = np.random.default_rng([seed, _GROUP_STREAM]).permutation(num_users)
-    group_of = np.empty(num_users, dtype=np.int64)
-    for g, chunk in enumerate(np.array_split(order, groups)):
-        group_of[chunk] = g
-    group_of.setflags(write=False)
-    return group_of
-
-
-@register
 class PrivAltMin(EmbeddingAlgorithm):
     """Private alternating minimization with perturbed sufficient statistics."""
 
     name = "priv-altmin"
     summary = "Priv-AltMin (Jain et al. 2021, Algs. 1-3)"
     default_init = "pairs"
-    supports_user_groups = True
+    components = (*EmbeddingAlgorithm.components, ALTMIN)
 
     @classmethod
     def validate(cls, config: Any) -> None:
-        from fedpriv.config import ConfigError
-
         super().validate(config)
         if config.samples_per_user // 2 < 2:
             raise ConfigError("samples-per-user: Priv-AltMin needs >= 2 training samples "
@@ -126,7 +111,6 @@ class PrivAltMin(EmbeddingAlgorithm):
         return UserContribution({"cov": cov, "corr": corr}, len(data.user_ids), clipped)
 
 
-@register
 class AltMin(PrivAltMin):
     """Non-private alternating minimization: the same steps without noise."""
 

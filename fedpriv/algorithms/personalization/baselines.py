@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
-from fedpriv.algorithms.personalization import (
+from fedpriv.algorithms.personalization.params import GLOBAL_MODEL, PROBLEM
+from fedpriv.algorithms.personalization.problem import (
     clip_or_inf,
     embedding_models,
     evaluate_models,
@@ -35,11 +36,12 @@ from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import clipped_sum
-from fedpriv.registry import register
 
 
 class _FinalOnly(Algorithm):
     """An algorithm whose only step is each user's final fit: nothing is released."""
+
+    components = (PROBLEM,)
 
     def privacy_plan(self) -> list[PlannedRelease]:
         return []
@@ -66,7 +68,6 @@ class _FinalOnly(Algorithm):
         return UserContribution({}, len(user_ids), 0, metrics)
 
 
-@register
 class LocalOnly(_FinalOnly):
     name = "local-only"
     summary = "each user alone: least squares on its own m samples (baseline)"
@@ -76,7 +77,6 @@ class LocalOnly(_FinalOnly):
         return local_models(problem_of(config), user_ids)
 
 
-@register
 class KnownEmbedding(_FinalOnly):
     name = "known-embedding"
     summary = "reference: the true U* given, v_i fitted on S1 (oracle)"
@@ -90,12 +90,12 @@ class KnownEmbedding(_FinalOnly):
         return embedding_models(problem, ground_truth_embedding(problem), user_ids)
 
 
-@register
 class DPGlobalModel(Algorithm):
     """A single user-level DP regression vector for everybody (DP-FedAvg, one local step)."""
 
     name = "dp-global-model"
     summary = "one shared regression vector by DP-FedAvg (baseline)"
+    components = (PROBLEM, GLOBAL_MODEL)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedpriv.algorithms.linear import local_vectors, orthonormalize
+from fedpriv.algorithms.personalization.linear_math import local_vectors, orthonormalize
 from fedpriv.privacy.mechanisms import clip_factors
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedpriv.algorithms.linear import least_squares, orthonormalize
+from fedpriv.algorithms.personalization.linear_math import least_squares, orthonormalize
 from fedpriv.randomness import user_permutations
 
 BATCH_PURPOSE = 1  # tag of the batch-sampling stream in fedpriv.randomness

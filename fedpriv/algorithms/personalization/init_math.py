@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedpriv.algorithms.linear import top_eigenvectors
+from fedpriv.algorithms.personalization.linear_math import top_eigenvectors
 from fedpriv.privacy.mechanisms import clipped_sum
 
 

@@ -16,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms import fedrep
 from fedpriv.algorithms.base import Part, Step, UserContribution
-from fedpriv.algorithms.personalization import EmbeddingAlgorithm, clip_or_inf
+from fedpriv.algorithms.personalization import fedrep_math as fedrep
+from fedpriv.algorithms.personalization.embedding import EmbeddingAlgorithm
+from fedpriv.algorithms.personalization.params import FEDREP
+from fedpriv.algorithms.personalization.problem import clip_or_inf
+from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import clipped_sum
-from fedpriv.registry import register
 
 
 def batch_size_of(config: Any) -> int:
@@ -29,18 +31,16 @@ def batch_size_of(config: Any) -> int:
     return fedrep.resolve_batch_size(policy, config.samples_per_user, config.rounds, config.rank)
 
 
-@register
 class PrivateFedRep(EmbeddingAlgorithm):
     """Private FedRep (Alg. 1) initialized by the private U-statistic method (Alg. 2)."""
 
     name = "private-fedrep"
     summary = "Private FedRep (Snedeker, Zhou & Bassily 2025, Algs. 1-2)"
     default_init = "u-statistic"
+    components = (*EmbeddingAlgorithm.components, FEDREP)
 
     @classmethod
     def validate(cls, config: Any) -> None:
-        from fedpriv.config import ConfigError
-
         super().validate(config)
         try:
             batch_size_of(config)
@@ -78,7 +78,6 @@ class PrivateFedRep(EmbeddingAlgorithm):
         return UserContribution({"total": total}, len(data.user_ids), clipped)
 
 
-@register
 class FedRep(PrivateFedRep):
     """Non-private FedRep: the same steps without noise (``clipping = false`` drops clipping)."""
 

@@ -1,0 +1,86 @@
+"""The base class of the registered meta-learning algorithms: the meta-model(s), the user-side
+meta-gradient (Zhou & Bassily 2022, Proposition 2: ``-lambda (w^_h(Z) - h)``, the gradient of the
+Moreau envelope), and the final evaluation on fresh tasks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fedpriv.algorithms.base import Algorithm, Step, UserContribution
+from fedpriv.algorithms.meta import meta_math as ml
+from fedpriv.algorithms.meta.params import BASE_LEARNER, TASKS
+from fedpriv.algorithms.meta.problem import (
+    evaluate_fresh,
+    final_meta_metrics,
+    meta_problem_of,
+)
+from fedpriv.data.meta import generate_tasks
+from fedpriv.privacy.mechanisms import clipped_sum
+
+
+class MetaAlgorithm(Algorithm):
+    """Shared parts: the meta-models, their final evaluation on fresh tasks."""
+
+    feature_families: ClassVar[tuple[str, ...]] = ("unit-ball",)
+    average_iterates: ClassVar[bool] = True
+    components = (TASKS, BASE_LEARNER)
+
+    @classmethod
+    def num_models(cls, config: Any) -> int:
+        return 1
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.models = self.starting_models(config)
+        self.iterate_sum = np.zeros_like(self.models)
+        self.iterates = 0
+
+    @classmethod
+    def starting_models(cls, config: Any) -> np.ndarray:
+        """The meta-model(s) before the first round, (q, d): one model at the origin."""
+        return np.zeros((1, config.dim))
+
+    def output(self) -> np.ndarray:
+        """The released meta-model(s): the average of the iterates, or the last ones."""
+        if self.average_iterates and self.iterates:
+            return self.iterate_sum / self.iterates
+        return self.models
+
+    def broadcast(self, step: Step) -> dict[str, np.ndarray]:
+        return {"models": self.output() if step.is_final else self.models}
+
+    def _record_iterate(self) -> dict[str, float]:
+        self.iterate_sum += self.models
+        self.iterates += 1
+        return {"meta_model_norm": float(np.linalg.norm(self.models, axis=1).max())}
+
+    def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
+        return final_meta_metrics(self.config, metric_sums, num_users, len(self.models))
+
+    def state(self) -> dict[str, Any]:
+        return {"meta_models": self.output().tolist(), "last_iterates": self.models.tolist(),
+                "iterates_averaged": self.iterates if self.average_iterates else 0}
+
+    @classmethod
+    def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+                  user_ids: np.ndarray) -> UserContribution:
+        models = np.atleast_2d(np.asarray(arrays["models"], dtype=np.float64))
+        if step.is_final:
+            return UserContribution({}, len(user_ids), 0,
+                                    evaluate_fresh(config, models, user_ids))
+        tasks = generate_tasks(meta_problem_of(config), user_ids)
+        choice, fitted = ml.select_and_fit(tasks.features, tasks.labels, models,
+                                           config.meta_lambda, config.task_loss,
+                                           config.base_accuracy)
+        grads = np.zeros((len(user_ids),) + models.shape)
+        rows = np.arange(len(user_ids))
+        grads[rows, choice] = ml.meta_gradients(fitted, models[choice], config.meta_lambda)
+        total, clipped = clipped_sum(grads, step.parts[0].clip_norm)
+        return UserContribution({"grads": total}, len(user_ids), clipped)
+
+
+def clip_of(config: Any) -> float:
+    return config.clip_norm if config.clipping else float("inf")

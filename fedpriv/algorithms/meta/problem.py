@@ -1,0 +1,86 @@
+"""The meta-learning problem: how a run's config makes the task distribution, the paper's
+default number of tasks per round, and the evaluation on fresh tasks (see the package
+docstring for the metrics)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fedpriv.algorithms.meta import meta_math as ml
+from fedpriv.data.meta import MetaProblem, generate_tasks
+
+
+def meta_problem_of(config: Any) -> MetaProblem:
+    return MetaProblem(
+        num_tasks=config.num_users,
+        dim=config.dim,
+        samples_per_task=config.samples_per_user,
+        label_noise=config.label_noise,
+        clusters=config.task_clusters,
+        task_mean=config.task_mean,
+        task_std=config.task_std,
+        loss=config.task_loss,
+        seed=config.seed,
+    )
+
+
+def paper_tasks_per_round(config: Any) -> int:
+    """Algorithm 1, line 1: ``m = max(K sqrt(epsilon / (4T)), 1)`` (capped at K)."""
+    m = config.num_users * math.sqrt(config.epsilon / (4.0 * config.rounds))
+    return int(min(config.num_users, max(1, round(m))))
+
+
+def evaluate_fresh(config: Any, models: np.ndarray, task_ids: np.ndarray) -> dict[str, float]:
+    """Metric sums over the fresh tasks with these ids (see the module docstring)."""
+    problem = meta_problem_of(config)
+    lam, acc, loss = config.meta_lambda, config.base_accuracy, config.task_loss
+    train = generate_tasks(problem, task_ids, fresh=True)
+    test = generate_tasks(problem, task_ids, fresh=True,
+                          test_samples=config.test_samples_per_user)
+    choice, fitted = ml.select_and_fit(train.features, train.labels, models, lam, loss, acc)
+    local = ml.fit(train.features, train.labels, np.zeros(problem.dim), lam, loss, acc)
+    sums = {
+        "risk": float(ml.task_losses(test.features, test.labels, fitted.models, loss).sum()),
+        "local_risk": float(ml.task_losses(test.features, test.labels, local.models,
+                                           loss).sum()),
+        "unconverged": float((~fitted.converged(acc)).sum() + (~local.converged(acc)).sum()),
+    }
+    if loss == "squared":
+        scale = problem.feature_covariance_scale
+        sums["excess"] = float(scale * ((fitted.models - train.vectors) ** 2).sum())
+        sums["local_excess"] = float(scale * ((local.models - train.vectors) ** 2).sum())
+    else:
+        sums["error"] = float(ml.task_errors(test.features, test.labels, fitted.models).sum())
+        sums["local_error"] = float(ml.task_errors(test.features, test.labels,
+                                                   local.models).sum())
+    if len(models) > 1 or problem.clusters > 1:
+        for i in range(len(models)):
+            for j in range(problem.clusters):
+                sums[f"assign_{i}_{j}"] = float(((choice == i) & (train.cluster == j)).sum())
+    return sums
+
+
+def final_meta_metrics(config: Any, sums: Mapping[str, float], num_tasks: int,
+                       num_models: int) -> dict[str, float]:
+    metrics = {
+        "transfer_risk": sums["risk"] / num_tasks,
+        "local_risk": sums["local_risk"] / num_tasks,
+        "fresh_tasks": float(num_tasks),
+        "base_learner_unconverged": sums["unconverged"],
+    }
+    if "excess" in sums:
+        floor = config.label_noise**2
+        metrics["population_transfer_risk"] = floor + sums["excess"] / num_tasks
+        metrics["population_local_risk"] = floor + sums["local_excess"] / num_tasks
+    if "error" in sums:
+        metrics["transfer_error"] = sums["error"] / num_tasks
+        metrics["local_error"] = sums["local_error"] / num_tasks
+    if "assign_0_0" in sums and num_models > 1:
+        table = np.array([[sums[f"assign_{i}_{j}"] for j in range(config.task_clusters)]
+                          for i in range(num_models)])
+        metrics["cluster_purity"] = float(table.max(axis=0).sum() / num_tasks)
+    return metrics

@@ -1,0 +1,36 @@
+"""Run-config keys that several algorithm families read, declared once so that each has one
+default and one meaning wherever it is used (see ``fedpriv.params``). A family's own keys live
+in its folder (``personalization/params.py``, ``meta/params.py``, ``exp_mech/params.py``)."""
+
+from __future__ import annotations
+
+from fedpriv.data.synthetic import FEATURE_FAMILIES
+from fedpriv.params import Param, non_negative, one_of, positive
+
+# ----- the users' data (every synthetic problem) ------------------------------------------------
+DIM = Param("dim", int, 20, "feature dimension d", positive, "an integer >= 1")
+RANK = Param("rank", int, 2, "embedding rank k", positive, "an integer in [1, dim]")
+SAMPLES_PER_USER = Param("samples-per-user", int, 10, "samples per user m (the first half S0 "
+                         "trains, the held-back half S1 fits the final local model)",
+                         lambda x: x >= 4, "an integer >= 4 (two disjoint batches from the "
+                         "first half)")
+LABEL_NOISE = Param("label-noise", float, 0.01, "label noise std R (Gaussian)", non_negative,
+                    "a number >= 0")
+FEATURE_DIST = Param("feature-dist", str, "auto", "feature family: `gaussian`, `rademacher`, "
+                     "`uniform` (identity covariance) or `mixed` (each user one of them) for "
+                     "personalization; `unit-ball` (uniform in the unit ball) for meta-learning "
+                     "and jl-exp; `auto` = the algorithm's own",
+                     *one_of(("auto", *FEATURE_FAMILIES, "unit-ball")))
+TEST_SAMPLES = Param("test-samples-per-user", int, 10, "fresh test points per user for "
+                     "`test_mse` (meta-learning: per fresh task, for `transfer_risk`)",
+                     lambda x: x >= 1, "an integer >= 1")
+
+# ----- gradient rounds --------------------------------------------------------------------------
+LEARNING_RATE = Param("learning-rate", float, 1.0, "server step size eta", positive,
+                      "a number > 0")
+CLIP_NORM = Param("clip-norm", float, 0.5, "psi: per-user L2 (Frobenius) clip of the gradient",
+                  positive, "a number > 0")
+CLIPPING = Param("clipping", bool, True, "clip per-user contributions; `false` only for the "
+                 "non-private baselines (private algorithms refuse it)")
+RESPONSE_CLIP = Param("response-clip", float, 2.0, "zeta: clip of labels (Priv-AltMin, the "
+                      "`pairs` init, a-exp's score bound B_y)", positive, "a number > 0")

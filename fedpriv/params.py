@@ -1,0 +1,135 @@
+"""Run-config parameters, declared by whoever uses them.
+
+A ``Param`` is one kebab-case run-config key with its type, default, allowed range and help. The
+core config (``fedpriv.config``) declares what every run has; an algorithm, or a family of
+algorithms, declares its own keys next to its code as ``ParamGroup``s and lists them in its
+``components`` (see ``fedpriv.algorithms.base.Algorithm``). Everything that lists or checks keys
+reads these declarations: validation, ``fedpriv algorithms``, the README key tables, checkpoint
+compatibility and the Flower app's ``[tool.flwr.app.config]``.
+
+A key shared by several components (``clip-norm``, say) is one ``Param`` object imported where it
+is used, so it has one default and one meaning; ``merge_params`` refuses two different
+declarations of the same key. This module sits at the bottom of the package: it imports nothing
+from fedpriv.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A run-config value is invalid; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One run-config key.
+
+    ``check`` is a predicate on the coerced value and ``allowed`` says in words what it accepts
+    (both appear in the error of a bad value). ``resumable`` marks an operational key that may
+    change when an interrupted run is resumed (where results go, how the run is operated), never
+    one that changes what the run computes.
+    """
+
+    key: str
+    kind: type
+    default: Any
+    help: str
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""
+    resumable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in (bool, int, float, str):
+            raise TypeError(f"{self.key}: kind must be bool, int, float or str")
+        if self.key != self.key.lower() or "_" in self.key or not self.key:
+            raise ValueError(f"{self.key!r}: keys are kebab-case")
+
+    @property
+    def attr(self) -> str:
+        """The attribute name on a ``RunConfig`` (the key in snake_case)."""
+        return self.key.replace("-", "_")
+
+    def parse(self, value: Any) -> Any:
+        """The value coerced to ``kind`` and checked; ``ConfigError`` naming the key if not."""
+        coerced = _coerce(self, value)
+        if self.check is not None and not self.check(coerced):
+            raise ConfigError(f"{self.key}: {coerced!r} is not allowed; expected {self.allowed}")
+        return coerced
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """The keys one component declares: ``name`` is how listings and errors refer to them."""
+
+
+    name: str
+    params: tuple[Param, ...]
+    check: Callable[[Any], None] | None = None
+    """Relations between keys (``rank <= dim``, say): raises ``ConfigError`` naming the key."""
+
+    def __post_init__(self) -> None:
+        merge_params([self])  # no key twice within a group
+
+
+def merge_params(groups: Iterable[ParamGroup]) -> dict[str, Param]:
+    """Every key of ``groups``, in order; a key declared twice must be the same declaration."""
+    merged: dict[str, Param] = {}
+    for group in groups:
+        for param in group.params:
+            seen = merged.get(param.key)
+            if seen is not None and seen != param:
+                raise ValueError(f"{param.key}: declared twice with different meanings "
+                                 f"({seen!r} and {param!r}); share one Param")
+            merged[param.key] = param
+    return merged
+
+
+def _coerce(param: Param, value: Any) -> Any:
+    key, kind = param.key, param.kind
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"{key}: expected {param.allowed or 'a string'}, got {value!r}")
+        return str(value)
+    if kind is int:
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and float(value).is_integer())
+        ):
+            raise ConfigError(f"{key}: expected {param.allowed or 'an integer'}, got {value!r}")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected {param.allowed or 'a number'}, got {value!r}")
+    return float(value)
+
+
+# ----- checks used by many declarations ---------------------------------------------------------
+def positive(x: Any) -> bool:
+    return x > 0
+
+
+def non_negative(x: Any) -> bool:
+    return x >= 0
+
+
+def unit_open(x: Any) -> bool:
+    return 0 < x < 1
+
+
+def finite(x: Any) -> bool:
+    return math.isfinite(x)
+
+
+def one_of(choices: Iterable[str]) -> tuple[Callable[[Any], bool], str]:
+    """A ``(check, allowed)`` pair for a string key with fixed choices."""
+    options = tuple(choices)
+    return (lambda x: x in options), f"one of {', '.join(options)}"
