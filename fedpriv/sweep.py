@@ -239,7 +239,7 @@ def _run_one(values: dict[str, Any], path: str) -> dict:
 
 
 def _run_flower(values: dict[str, Any], path: str) -> dict:
-    from fedpriv.cli import run_flower
+    from fedpriv.launcher import run_flower
 
     config = RunConfig.from_mapping(values)
     if run_flower(config, values, Path(path), keep_superlink=False, quiet=True) != 0:
