@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedpriv.cli import load_run_config  # noqa: E402
 from fedpriv.config import RunConfig  # noqa: E402
+from fedpriv.config_files import load_run_config  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
 
 

@@ -6,10 +6,11 @@
 #   deploy/generate-certs.sh [NODES] [--host NAME ...] [--force]
 #
 # (--host adds a name or address of the SuperLink to its certificate; --force replaces
-# everything.) Needs the project installed (`pip install -e .`); without Python on the host,
+# everything.) It runs `fedpriv deploy certs` from this checkout, so it needs the project's
+# dependencies installed (`pip install -e .`); without Python on the host,
 # `docker compose run --rm setup` does the same inside the image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nodes="${1:-3}"
 [[ $# -gt 0 ]] && shift
-exec python3 -m fedpriv.deployment certs deploy/certs --nodes "$nodes" "$@"
+exec python3 -m fedpriv.cli deploy certs deploy/certs --nodes "$nodes" "$@"

@@ -1,149 +1,29 @@
-"""``fedpriv`` command line: run a config through Flower's simulation engine (or in-process).
+"""``fedpriv`` command line, the top of the package: it imports the commands, nothing imports it.
 
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
-                [--resume]
+                [--resume] [--ray-address HOST:PORT]
     fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
     fedpriv audit [CONFIG.toml] [--set key=value ...] [--trials N] [--alpha A] [--noise-scale S]
-    fedpriv algorithms
+    fedpriv algorithms [NAME] [--verbose | --markdown | --flwr-config]
+    fedpriv deploy certs|compose|commands|health|register|submit|setup ...
+
+``run`` goes through Flower's simulation engine (``fedpriv.launcher``) or in-process
+(``fedpriv.engine``); run configs are read by ``fedpriv.config_files``; the ``deploy``
+sub-commands (a real SuperLink + SuperNodes deployment, docker-compose) are installed by
+``fedpriv.deploy.cli``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import tomllib
 from pathlib import Path
-from typing import Any
 
-from fedpriv.cohorts import auto_num_nodes
-from fedpriv.config import ConfigError, RunConfig, default_mapping
-from fedpriv.deployment import toml_value
-
-LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
-DEFAULT_LOCAL_SUPERLINK_PORT = 39091
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word is a string
-
-
-def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
-    values = default_mapping()
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        with p.open("rb") as fh:
-            values.update(tomllib.load(fh))
-    for item in overrides:
-        key, value = _split_override(item)
-        values[key] = value
-    return values
-
-
-def project_dir() -> Path:
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "pyproject.toml").is_file():
-        raise SystemExit(f"fedpriv: no Flower app (pyproject.toml) next to the package at {root}; "
-                         "run from a source checkout")
-    return root
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _listening_pid(port: int) -> int | None:
-    """PID of the process listening on 127.0.0.1:port (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
-                inodes.add(cols[9])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(pid)
-        except OSError:
-            continue
-    return None
-
-
-def stop_local_superlink(port: int) -> None:
-    pid = _listening_pid(port)
-    if pid is None:
-        return
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(50):
-        if not _port_open(port):
-            return
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
-
-
-def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
-               quiet: bool = False, ray_address: str | None = None) -> int:
-    """Run through Flower's simulation engine. ``ray_address``: attach the simulation to that
-    existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink that ``flwr run``
-    starts and by its simulation process) instead of starting a Ray instance of its own."""
-    port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
-    started_here = not _port_open(port)
-    env = None
-    if ray_address:
-        if not started_here:
-            print(f"fedpriv: --ray-address needs a fresh local SuperLink, but one is already "
-                  f"listening on 127.0.0.1:{port} (it would keep its own Ray instance); stop "
-                  "it first", file=sys.stderr)
-            return 2
-        env = {**os.environ, "RAY_ADDRESS": ray_address}
-    nodes = auto_num_nodes(config.num_users, config.users_per_node)
-    with tempfile.TemporaryDirectory() as tmp:
-        run_config = Path(tmp) / "run-config.toml"
-        lines = []
-        for key, value in {**values, "results-path": str(out)}.items():
-            lines.append(f"{key} = {toml_value(value)}")
-        run_config.write_text("\n".join(lines) + "\n")
-        federation = f"num-supernodes={nodes}"
-        if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
-                not ray_address):  # an existing cluster's CPUs are its own
-            # a simulated node that times out holds its worker for node-timeout seconds:
-            # more (logical) workers than cores keep the others from queueing behind it
-            federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
-        cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
-               "--federation-config", federation]
-        if not quiet:
-            print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
-                  f"({config.num_users} users)", flush=True)
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, check=False, env=env,
-                                  stdout=subprocess.DEVNULL if quiet else None,
-                                  stderr=subprocess.DEVNULL if quiet else None)
-        finally:
-            if started_here and not keep_superlink:
-                stop_local_superlink(port)
-    if proc.returncode != 0 or not out.is_file():
-        print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
-              f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)
-        return 1
-    return 0
+from fedpriv.config import ConfigError, RunConfig
+from fedpriv.config_files import load_run_config, parse_overrides
+from fedpriv.deploy import cli as deploy_cli
+from fedpriv.launcher import run_flower
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -189,10 +69,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fedpriv import sweep
+    from fedpriv import sweep, sweep_figure
 
     try:
-        overrides = {k: v for k, v in (_split_override(item) for item in args.set or [])}
+        overrides = parse_overrides(args.set or [])
         print(f"fedpriv sweep: validating {args.config} (every run config; every privacy plan "
               "calibrated)", flush=True)
         spec = sweep.load_sweep(args.config, overrides)
@@ -204,7 +84,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     rows = sweep.run_sweep(spec, out, jobs=1 if args.engine == "flower" else jobs,
                            engine=args.engine, log=lambda line: print(line, flush=True))
     csv_path, json_path = sweep.write_table(rows, out)
-    figure = sweep.plot(spec, rows, out / "figure.png")
+    figure = sweep_figure.plot(spec, rows, out / "figure.png")
     print(sweep.markdown_table(rows, spec))
     print(f"fedpriv: table {csv_path} and {json_path}; figure {figure}")
     if args.plot:
@@ -213,13 +93,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         target.write_bytes(figure.read_bytes())
         print(f"fedpriv: figure copied to {target}")
     return 0
-
-
-def _split_override(item: str) -> tuple[str, Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set expects key=value, got {item!r}")
-    key, text = item.split("=", 1)
-    return key.strip(), _parse_value(text.strip())
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
@@ -265,7 +138,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 1 if result.violation else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedpriv`` parser: every sub-command, each with its ``func``."""
     parser = argparse.ArgumentParser(prog="fedpriv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -315,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     algos.add_argument("--flwr-config", action="store_true",
                        help="the Flower app's [tool.flwr.app.config] table")
     algos.set_defaults(func=cmd_algorithms)
-    args = parser.parse_args(argv)
+    deploy_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 

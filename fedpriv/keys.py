@@ -6,11 +6,10 @@ documents cannot drift from the code.
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
 from fedpriv.config import CORE
+from fedpriv.config_files import toml_value
 from fedpriv.params import Param, ParamGroup
 from fedpriv.registry import available, get_algorithm
 
@@ -35,22 +34,9 @@ def app_config(algorithms: list[type] | None = None) -> dict[str, Any]:
     return values
 
 
-def toml_literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{value!r} has no TOML literal here")
-    text = repr(value)
-    if isinstance(value, float) and abs(value) >= 1e6:
-        text = f"{value:.6g}"  # 2e+08, not 200000000.0
-    return text
-
-
 def app_config_toml() -> str:
     """The ``[tool.flwr.app.config]`` table as it stands in pyproject.toml."""
-    return "\n".join(f"{k} = {toml_literal(v)}" for k, v in app_config().items())
+    return "\n".join(f"{k} = {toml_value(v)}" for k, v in app_config().items())
 
 
 def _groups(algorithms: list[type]) -> list[tuple[ParamGroup, list[str]]]:
@@ -63,7 +49,7 @@ def _groups(algorithms: list[type]) -> list[tuple[ParamGroup, list[str]]]:
 
 
 def _default_text(param: Param) -> str:
-    return f"`{toml_literal(param.default)}`"
+    return f"`{toml_value(param.default)}`"
 
 
 def _table(params: tuple[Param, ...] | list[Param]) -> list[str]:
@@ -94,7 +80,7 @@ def algorithm_lines(name: str | None = None, verbose: bool = False) -> list[str]
     names = [name] if name else available()
     lines: list[str] = []
     if not name:
-        core = ", ".join(f"{p.key}={toml_literal(p.default)}" for p in CORE.params)
+        core = ", ".join(f"{p.key}={toml_value(p.default)}" for p in CORE.params)
         lines += [f"every algorithm also takes the core keys: {core}", ""]
     for n in names:
         cls = get_algorithm(n)
@@ -105,9 +91,9 @@ def algorithm_lines(name: str | None = None, verbose: bool = False) -> list[str]
                 lines.append(f"    {group.name}:")
                 for p in group.params:
                     allowed = f" ({p.allowed})" if p.allowed else ""
-                    lines.append(f"      {p.key} = {toml_literal(p.default)}  {p.help}{allowed}")
+                    lines.append(f"      {p.key} = {toml_value(p.default)}  {p.help}{allowed}")
             else:
-                keys = ", ".join(f"{p.key}={toml_literal(p.default)}" for p in group.params)
+                keys = ", ".join(f"{p.key}={toml_value(p.default)}" for p in group.params)
                 lines.append(f"    {group.name}: {keys}")
         if not cls.components:
             lines.append("    (no keys of its own)")

@@ -1,7 +1,7 @@
 """Deployment: docker-compose, plain processes with TLS and SuperNode authentication, Ray.
 
 The compose files and the process commands of the integration tests both come from
-``fedpriv.deployment``; the static tests check the committed compose files against it (and with
+``fedpriv.deploy``; the static tests check the committed compose files against it (and with
 ``docker-compose config`` where Debian's docker-compose is installed, as in CI), the integration
 tests start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 and a real
 Ray head, and stop every process they started.
@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedpriv import deployment as dep
+from fedpriv import deploy as dep
+from fedpriv.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small Private FedRep job (runs in well under a minute on 2 cores).
@@ -43,10 +44,10 @@ def test_committed_compose_files_are_the_rendering_of_the_deployment_module():
     """The "cannot drift" guarantee: the compose files are generated from the functions that
     build the integration tests' process commands."""
     assert (ROOT / "docker-compose.yml").read_text() == dep.compose_yaml(), (
-        "docker-compose.yml differs from its rendering: python -m fedpriv.deployment compose "
+        "docker-compose.yml differs from its rendering: fedpriv deploy compose "
         "> docker-compose.yml")
     assert (ROOT / "docker-compose.insecure.yml").read_text() == dep.compose_yaml(
-        secure=False), ("regenerate: python -m fedpriv.deployment compose --insecure > "
+        secure=False), ("regenerate: fedpriv deploy compose --insecure > "
                         "docker-compose.insecure.yml")
 
 
@@ -120,6 +121,24 @@ def test_compose_images_build_from_files_that_exist():
     assert {"deploy/certs", "deploy/results", "results", ".git"} <= set(ignored)  # no keys
     assert {"deploy/certs/", "deploy/results/"} <= set((ROOT / ".gitignore").read_text().split())
     assert os.access(ROOT / "deploy" / "generate-certs.sh", os.X_OK)
+    # the services run `fedpriv deploy ...`: the image installs the script and checks it runs
+    assert "&& fedpriv deploy --help > /dev/null" in text
+    assert 'CMD ["fedpriv", "deploy", "--help"]' in text
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.insecure.yml"])
+def test_every_fedpriv_command_of_the_compose_files_parses(name):
+    """The `fedpriv deploy ...` commands the containers run are valid for today's parser."""
+    parser = build_parser()
+    commands = [spec["command"] for spec in _compose(name)["services"].values()]
+    commands.append(_compose(name)["services"]["superlink"]["healthcheck"]["test"][1:])
+    ours = [c for c in commands if c[0] == "fedpriv"]
+    # setup, health, submit; register in the secure file
+    assert len(ours) == (4 if name == "docker-compose.yml" else 3)
+    for command in ours:
+        assert command[1] == "deploy"
+        args = parser.parse_args(command[1:])
+        assert args.deploy_command == command[2] and callable(args.func)
 
 
 @pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.insecure.yml"])
@@ -175,7 +194,7 @@ def test_certificates_and_keys_are_what_flower_expects(tmp_path):
                        log=lambda _: None)
     server = x509.load_pem_x509_certificate((root / "superlink" / "server.pem").read_bytes())
     server.verify_directly_issued_by(ca)
-    assert "link.example.org" in dep._cert_hosts(root / "superlink" / "server.pem")
+    assert "link.example.org" in dep.cert_hosts(root / "superlink" / "server.pem")
     assert (root / "supernode-0" / "supernode.key").read_bytes() == before
 
 
@@ -194,11 +213,23 @@ def test_the_connection_is_added_to_an_existing_flower_config(tmp_path):
     (other / "config.toml").write_text(f'[superlink.{dep.CONNECTION}]\naddress = "a:1"\n')
     with pytest.raises(ValueError, match="already defines"):
         dep.write_connection(table, other)
+    # the block that `python -m fedpriv.deployment` (before `fedpriv deploy`) wrote is replaced
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n'
+        "# >>> fedpriv deployment connection (python -m fedpriv.deployment) >>>\n"
+        f'[superlink.{dep.CONNECTION}]\naddress = "a:1"\ninsecure = true\n'
+        "# <<< fedpriv deployment connection <<<\n")
+    dep.write_connection(table, legacy)
+    parsed = tomllib.loads((legacy / "config.toml").read_text())["superlink"]
+    assert parsed == {"default": "local", dep.CONNECTION: {"address": "127.0.0.1:9093",
+                                                          "root-certificates": "/x/ca.crt"}}
 
 
 def test_submit_refuses_a_relative_results_path_and_a_bad_config(tmp_path):
-    base = [sys.executable, "-m", "fedpriv.deployment", "submit", "--superlink", "127.0.0.1:1",
-            "--insecure", "--app", str(ROOT)]
+    base = _python([*dep.DEPLOY_COMMAND, "submit", "--superlink", "127.0.0.1:1", "--insecure",
+                    "--app", str(ROOT)])
     env = {**os.environ, "FLWR_HOME": str(tmp_path)}
     proc = subprocess.run(base + ["--results", "results.json"], capture_output=True, text=True,
                           timeout=60, env=env)
@@ -211,8 +242,8 @@ def test_submit_refuses_a_relative_results_path_and_a_bad_config(tmp_path):
 def test_printed_process_commands_are_the_module_commands(tmp_path, capsys):
     import shlex
 
-    assert dep.main(["commands", "--certs", str(tmp_path), "--nodes", "2", "--app", str(ROOT),
-                     "--results", str(tmp_path / "r.json")]) == 0
+    assert main(["deploy", "commands", "--certs", str(tmp_path), "--nodes", "2", "--app",
+                 str(ROOT), "--results", str(tmp_path / "r.json")]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     d = dep.Deployment(num_nodes=2, superlink_host="127.0.0.1", bind_host="127.0.0.1",
                        node_ports=(9094, 9095), certs=str(tmp_path.resolve()), mounted=False,
@@ -222,9 +253,34 @@ def test_printed_process_commands_are_the_module_commands(tmp_path, capsys):
         dep.supernode_command(d, 1), dep.submit_command(d, str(tmp_path / "r.json")))]
 
 
-def test_ray_address_needs_the_flower_engine():
-    from fedpriv.cli import main
+def test_deploy_help_lists_its_sub_commands(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "deploy" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["deploy", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("certs", "compose", "commands", "health", "register", "submit", "setup"):
+        assert re.search(rf"^\s+{command}\s+\S", out, re.M), (command, out)
+    with pytest.raises(SystemExit) as exited:
+        main(["deploy"])  # a sub-command is required
+    assert exited.value.code == 2
 
+
+def test_deploy_compose_prints_the_rendering(capsys):
+    assert main(["deploy", "compose", "--nodes", "2", "--insecure"]) == 0
+    assert capsys.readouterr().out == dep.compose_yaml(2, secure=False)
+    assert main(["deploy", "compose", "--set", "epsilon=2.0", "--set", "rounds=10"]) == 0
+    out = capsys.readouterr().out
+    assert out == dep.compose_yaml(settings={"epsilon": 2.0, "rounds": 10})
+    assert "`fedpriv deploy compose --set epsilon=2.0 --set rounds=10`" in out.splitlines()[0]
+    # a bad value is one line on stderr and exit 2, not a traceback
+    assert main(["deploy", "compose", "--set", "epsilon"]) == 2
+    assert "--set expects key=value" in capsys.readouterr().err
+
+
+def test_ray_address_needs_the_flower_engine():
     assert main(["run", "--engine", "inprocess", "--ray-address", "127.0.0.1:1"]) == 2
 
 
@@ -236,8 +292,9 @@ def _free_port() -> int:
 
 
 def _python(argv: list[str]) -> list[str]:
-    """A command of the deployment module, run by this test's interpreter."""
-    return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+    """A ``fedpriv ...`` command, run by this test's interpreter (and so this checkout's
+    fedpriv, whatever ``fedpriv`` script is on the PATH)."""
+    return [sys.executable, "-m", "fedpriv.cli", *argv[1:]] if argv[0] == "fedpriv" else argv
 
 
 def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -425,8 +482,8 @@ def test_tls_and_node_authentication_refuse_an_unregistered_supernode(processes)
     """TLS everywhere and SuperNode authentication: two registered SuperNodes run the job; a
     third, whose key is not registered, claims partition 1 too and is refused."""
     certs = processes.short / "certs"
-    made = subprocess.run(_python(["python", "-m", "fedpriv.deployment", "certs", str(certs),
-                                   "--nodes", "3"]), capture_output=True, text=True, timeout=60)
+    made = subprocess.run(_python([*dep.DEPLOY_COMMAND, "certs", str(certs), "--nodes", "3"]),
+                          capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     d = dep.Deployment(num_nodes=2, superlink_host="127.0.0.1", bind_host="127.0.0.1",
                        superlink_port=_free_port(),

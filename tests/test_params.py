@@ -8,6 +8,7 @@ import pytest
 from fedpriv.algorithms.catalogue import BUILTIN
 from fedpriv.cli import main
 from fedpriv.config import CORE, ConfigError, RunConfig, resumable_keys, select_keys
+from fedpriv.config_files import toml_value
 from fedpriv.keys import README_BEGIN, README_END, markdown_tables
 from fedpriv.params import Param, ParamGroup, merge_params
 
@@ -91,7 +92,7 @@ def test_fedpriv_algorithms_lists_every_algorithm_with_its_keys_and_defaults(cap
     for cls in BUILTIN:
         assert f"\n{cls.name}" in out
         for key, param in cls.declared_params().items():
-            assert f"{key}=" in out
+            assert f"{key}={toml_value(param.default)}" in out
     assert "FedRep rounds: learning-rate=1.0, clip-norm=0.5, clipping=true, batch-size=\"max\"" \
         in out
     assert main(["algorithms", "priv-altmin"]) == 0

@@ -1,0 +1,95 @@
+"""Run-config files and ``--set key=value`` overrides: reading them, and writing TOML values.
+
+Every command that takes a run config (``fedpriv run``, ``sweep``, ``audit``, ``deploy submit``)
+reads it through ``load_run_config``, and every place that writes a run-config value back out
+(the launcher's run-config file, ``flwr run --run-config``, the compose file) encodes it with
+``toml_value``. This module sits below all of them and imports nothing of fedpriv but
+``fedpriv.config``, so the commands and launchers can share it without importing each other.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from fedpriv.config import PLUGIN_CONFIG, ConfigError, default_mapping
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (``2.0``, ``true``, ``"x"``) as its value; a bare word is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def split_override(item: str) -> tuple[str, Any]:
+    """``"key=value"`` (one ``--set``) as ``(key, value)``."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    return key.strip(), parse_value(text.strip())
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Several ``--set`` items as one mapping (a later item wins)."""
+    return dict(split_override(item) for item in items)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The keys a run-config TOML file sets, as written (no defaults)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    with p.open("rb") as fh:
+        try:
+            return tomllib.load(fh)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The defaults, updated by the file at ``path`` (if any), then by the ``--set`` items."""
+    values = default_mapping()
+    if path:
+        values.update(read_config_file(path))
+    values.update(parse_overrides(overrides))
+    return values
+
+
+def toml_value(value: Any) -> str:
+    """A TOML literal of a run-config value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def app_config_keys(app_dir: str | Path) -> set[str] | None:
+    """The keys a Flower app's ``[tool.flwr.app.config]`` lists (Flower refuses run-config
+    overrides of any other key); None if the app's pyproject.toml cannot be read."""
+    try:
+        with (Path(app_dir) / "pyproject.toml").open("rb") as fh:
+            return set(tomllib.load(fh)["tool"]["flwr"]["app"]["config"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return None
+
+
+def for_flower(values: dict[str, Any], app_keys: set[str] | None) -> dict[str, Any]:
+    """``values`` as a Flower run-config for an app listing ``app_keys``: the keys the app does
+    not list (a plug-in algorithm's own) move into the core key ``plugin-config``, a TOML inline
+    table that ``RunConfig.from_mapping`` unpacks and checks strictly."""
+    if app_keys is None:
+        return dict(values)
+    extra = {k: v for k, v in values.items() if k not in app_keys}
+    if not extra:
+        return dict(values)
+    if values.get(PLUGIN_CONFIG):
+        raise ConfigError(f"{PLUGIN_CONFIG}: give the plug-in's keys either in it or directly, "
+                          f"not both ({sorted(extra)})")
+    table = "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in extra.items()) + " }"
+    return {**{k: v for k, v in values.items() if k in app_keys}, PLUGIN_CONFIG: table}

@@ -1,0 +1,129 @@
+"""The Flower simulation launcher behind ``fedpriv run`` and ``fedpriv sweep --engine flower``.
+
+``run_flower`` writes the run config to a file, runs ``flwr run`` on this project's Flower app
+with one SuperNode per cohort of users, and stops the local SuperLink that ``flwr run`` leaves
+behind (found by its port, stopped by its PID). It starts ``flwr`` as a subprocess and never
+imports it; the commands above it (``fedpriv.cli``, ``fedpriv.sweep``) share it from here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fedpriv.cohorts import auto_num_nodes
+from fedpriv.config import RunConfig
+from fedpriv.config_files import app_config_keys, for_flower, toml_value
+
+LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
+"""Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""
+DEFAULT_LOCAL_SUPERLINK_PORT = 39091
+"""Flower's default for that port."""
+
+
+def project_dir() -> Path:
+    """The Flower app: the source checkout (``pyproject.toml``) this package lives in."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        raise SystemExit(f"fedpriv: no Flower app (pyproject.toml) next to the package at {root}; "
+                         "run from a source checkout")
+    return root
+
+
+def _port_open(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _listening_pid(port: int) -> int | None:
+    """PID of the process listening on 127.0.0.1:port (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
+                inodes.add(cols[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def stop_local_superlink(port: int) -> None:
+    """Stop the process listening on 127.0.0.1:``port`` (SIGTERM, then SIGKILL after 10 s)."""
+    pid = _listening_pid(port)
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(50):
+        if not _port_open(port):
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+
+
+def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
+               quiet: bool = False, ray_address: str | None = None) -> int:
+    """Run through Flower's simulation engine. ``ray_address``: attach the simulation to that
+    existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink that ``flwr run``
+    starts and by its simulation process) instead of starting a Ray instance of its own."""
+    port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
+    started_here = not _port_open(port)
+    env = None
+    if ray_address:
+        if not started_here:
+            print(f"fedpriv: --ray-address needs a fresh local SuperLink, but one is already "
+                  f"listening on 127.0.0.1:{port} (it would keep its own Ray instance); stop "
+                  "it first", file=sys.stderr)
+            return 2
+        env = {**os.environ, "RAY_ADDRESS": ray_address}
+    nodes = auto_num_nodes(config.num_users, config.users_per_node)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_config = Path(tmp) / "run-config.toml"
+        lines = []
+        flower_values = for_flower({**values, "results-path": str(out)},
+                                   app_config_keys(project_dir()))
+        for key, value in flower_values.items():
+            lines.append(f"{key} = {toml_value(value)}")
+        run_config.write_text("\n".join(lines) + "\n")
+        federation = f"num-supernodes={nodes}"
+        if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
+                not ray_address):  # an existing cluster's CPUs are its own
+            # a simulated node that times out holds its worker for node-timeout seconds:
+            # more (logical) workers than cores keep the others from queueing behind it
+            federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
+        cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
+               "--federation-config", federation]
+        if not quiet:
+            print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
+                  f"({config.num_users} users)", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, check=False, env=env,
+                                  stdout=subprocess.DEVNULL if quiet else None,
+                                  stderr=subprocess.DEVNULL if quiet else None)
+        finally:
+            if started_here and not keep_superlink:
+                stop_local_superlink(port)
+    if proc.returncode != 0 or not out.is_file():
+        print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
+              f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)
+        return 1
+    return 0
