@@ -215,8 +215,12 @@ def test_the_exponential_mechanism_draws_from_its_stream_and_records_only_the_in
 def test_the_missing_node_rescale_uses_public_counts_and_can_be_off():
     assert missing_node_scale({0: 100, 1: 100, 2: 200}, {0, 2}) == pytest.approx(400 / 300)
     assert missing_node_scale({0: 100}, set()) == 1.0
+    on, _ = releaser()
+    assert on.rescale(ROUND, {0}, {0: 1, 1: 3}, {0: 1, 1: 1}) == 2.0  # by participants
     off, _ = releaser(rescale_missing_nodes=False)
     assert off.rescale(ROUND, {0}, {0: 1, 1: 1}, {0: 1, 1: 1}) == 1.0
+    # a release without noise is not rescaled (and so does not report a rescale)
+    assert on.rescale(Step("round", 1, None, (GRAD,)), {0}, {0: 1, 1: 1}, {0: 1, 1: 1}) == 1.0
 
 
 def test_an_infeasible_plan_is_refused_at_calibration():

@@ -217,12 +217,14 @@ class Releaser:
 
     def rescale(self, step: Step, answered: set[int], hosted: Mapping[int, int],
                 participating: Mapping[int, int]) -> float:
-        """The missing-node rescale of a Gaussian ``step`` (``rescale-missing-nodes``; 1 when
-        off or when the algorithm opts out): by the users taking part (``participating``, a
-        public rule), or for a Poisson-sampled step by the users the nodes host (``hosted``;
-        the sample itself must stay secret). Applied after the noise, it keeps a step's size
-        from shrinking with the share of nodes that failed."""
-        if not (self.config.rescale_missing_nodes and self.algorithm.rescale_for_missing_nodes):
+        """The missing-node rescale of a noisy Gaussian ``step`` (``rescale-missing-nodes``;
+        1 when off, when the algorithm opts out, or for a release without noise, which is not
+        rescaled): by the users taking part (``participating``, a public rule), or for a
+        Poisson-sampled step by the users the nodes host (``hosted``; the sample itself must
+        stay secret). Applied after the noise, it keeps a step's size from shrinking with the
+        share of nodes that failed."""
+        if step.release is None or not (self.config.rescale_missing_nodes
+                                        and self.algorithm.rescale_for_missing_nodes):
             return 1.0
         counts = hosted if self.algorithm.charge(step)[1] < 1.0 else participating
         return missing_node_scale(counts, answered)
