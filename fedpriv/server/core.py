@@ -1,0 +1,224 @@
+"""``PrivateServer``: the step loop of a run, free of Flower, delegating to the units it owns.
+
+Each step: check the nodes' replies and bound each node's sums (``ReplyChecker``), release the
+step with calibrated noise under the accountant and the budget guard (``Releaser``), checkpoint
+(``CheckpointStore``) *before* anything of the step leaves the server, and report
+(``fedpriv.server.report``). The Flower strategy (``strategies/``) and the in-process engine
+(``fedpriv.engine``) both drive a ``PrivateServer``: they only move arrays between it and the
+nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpriv.algorithms.base import Part, Step, UserContribution
+from fedpriv.cohorts import partition_users
+from fedpriv.config import RunConfig
+from fedpriv.privacy.accounting import Accountant
+from fedpriv.registry import get_algorithm
+from fedpriv.server.release import Releaser, calibrate
+from fedpriv.server.replies import NodeReply, ReplyChecker
+from fedpriv.server.report import progress_line, results_dict, step_report
+from fedpriv.server.store import CheckpointStore, algorithm_state
+
+
+class PrivateServer:
+    """One run's server: the algorithm's steps in order, each checked, released, checkpointed
+    and reported. ``checkpoint_path`` None: no checkpoints (tests, sweeps)."""
+
+    def __init__(self, config: RunConfig, num_partitions: int,
+                 log: Callable[[str], None] = print, checkpoint_path: Path | None = None) -> None:
+        self.config, self.num_partitions = config, num_partitions
+        self.log, self.checkpoint_path = log, checkpoint_path
+        self.algorithm: Any = get_algorithm(config.algorithm)(config)
+        self.plan = self.algorithm.privacy_plan()
+        calibrated = calibrate(config, self.plan)
+        releases = [s for s in self.steps() if s.release is not None]
+        self.release = Releaser(config, self.algorithm, self.plan, calibrated,
+                                releases[-1].label if releases else None)
+        self.replies = ReplyChecker()
+        self.rounds: list[dict] = []  # one report per step done
+        self.metrics: dict[str, float] = {}  # the final step's
+        self._partition_users = {p: partition_users(config.num_users, p, num_partitions)
+                                 for p in range(num_partitions)}
+        self._hosted = {p: len(ids) for p, ids in self._partition_users.items()}
+        self._expected_cache: tuple[str, dict[int, int]] | None = None
+        self.resumed_from: int | None = None
+        self.store = CheckpointStore(checkpoint_path)  # locked: one server per checkpoint
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        """Resume (or refuse to overwrite an interrupted run), then check the budget."""
+        if self.config.resume:
+            self._restore()
+        else:
+            self.store.refuse_overwrite()
+        self.projected_epsilon = self.release.check_budget(
+            self.steps(), self.pending_steps(), resuming=self.resumed_from is not None)
+
+    # ----- what the units hold ---------------------------------------------------------------
+    @property
+    def accountant(self) -> Accountant:
+        return self.release.accountant
+
+    @property
+    def multipliers(self) -> dict[str, float]:
+        return self.release.multipliers
+
+    @property
+    def pure_epsilons(self) -> dict[str, float]:
+        return self.release.pure_epsilons
+
+    @property
+    def pure(self) -> bool:
+        return self.release.pure
+
+    @property
+    def rejections(self) -> Counter[str]:
+        return self.replies.rejections
+
+    @property
+    def bounded(self) -> int:
+        return self.replies.bounded
+
+    def _bounded_sum(self, part: Part, accepted: Sequence[UserContribution]) -> np.ndarray:
+        return self.replies.bounded_sum(part, accepted)
+
+    # ----- steps -----------------------------------------------------------------------------
+    @functools.cached_property
+    def _steps(self) -> list[Step]:
+        return self.algorithm.steps()
+
+    def steps(self) -> list[Step]:
+        return self._steps
+
+    @property
+    def completed(self) -> int:
+        """Steps done: one report each (the next step is ``steps()[completed]``)."""
+        return len(self.rounds)
+
+    def pending_steps(self) -> list[Step]:
+        """The steps still to run (all of them, or those after a resumed checkpoint)."""
+        return self.steps()[self.completed:]
+
+    def payload(self, step: Step) -> dict[str, np.ndarray]:
+        return self.algorithm.broadcast(step)
+
+    def expected_users(self, step: Step) -> dict[int, int]:
+        """{partition: how many of its users take part in ``step``} (public values only; with
+        Poisson sampling, values of the server's sampling seed)."""
+        key = step.to_json()
+        if self._expected_cache is None or self._expected_cache[0] != key:
+            cls = type(self.algorithm)
+            self._expected_cache = (key, {
+                p: len(cls.participants(self.config, step, ids))
+                for p, ids in self._partition_users.items()
+            })
+        return self._expected_cache[1]
+
+    # ----- one step --------------------------------------------------------------------------
+    def aggregate(self, step: Step, replies: Sequence[NodeReply], started: float) -> dict:
+        """Check the replies, release the step (noise, accounting), checkpoint, report."""
+        if step != self.pending_steps()[0]:
+            raise RuntimeError(f"step {step.label} is out of order; next is "
+                               f"{self.pending_steps()[0].label}")
+        rejections, bounded = Counter(self.rejections), self.bounded
+        checked = self.replies.check(step, replies, self.expected_users(step))
+        for r in checked.rejected:
+            self.log(f"  {step.label}: rejected node (partition {r.partition_id}): {r.kind}: "
+                     f"{r.detail}")
+        accepted = checked.accepted
+        users = sum(a.num_users for a in accepted)
+        report = step_report(step, len(accepted), self.num_partitions, users,
+                             self.rejections - rejections)
+        if step.is_final:
+            keys = accepted[0].metrics.keys() if accepted else []
+            sums = {k: sum(a.metrics[k] for a in accepted) for k in keys}
+            if users == 0:  # keep the run (and its ledger); there is nothing to measure
+                self.metrics = {}
+                report["error"] = "no node answered the final evaluation"
+                self.log("  final: no node answered; the results carry no metrics")
+            else:
+                self.metrics = self.algorithm.finalize(sums, users)
+            report.update(self.metrics)
+        else:
+            report.update(self._release(step, accepted, checked.answered))
+            report["nodes_bounded"] = self.bounded - bounded
+            report["users_clipped"] = sum(a.num_clipped for a in accepted)
+        report["seconds"] = time.perf_counter() - started
+        self.rounds.append(report)
+        self.store.save(self._state())  # before anything of this step leaves the server
+        self.log(progress_line(report, len(self.steps()), len(self.rounds)))
+        return report
+
+    def _release(self, step: Step, accepted: Sequence[UserContribution],
+                 answered: set[int]) -> dict[str, Any]:
+        """Population means of the bounded node sums, released by the release unit."""
+        population = step.population or self.config.num_users
+        if step.parts[0].mechanism == "exponential":
+            scores = self.replies.bounded_sum(step.parts[0], accepted) / population
+            return self.release.select(step, scores, population)
+        scale = self.release.rescale(step, answered, self._hosted, self.expected_users(step))
+        means = {part.name: self.replies.bounded_sum(part, accepted) / population
+                 for part in step.parts}
+        return self.release.gaussian(step, means, population, scale)
+
+    # ----- checkpoints and results -----------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        """The checkpoint: every unit's state under the checkpoint keys."""
+        return {"config": self.config.to_mapping(), "completed": self.completed,
+                "total_steps": len(self.steps()), **self.release.state(),
+                "algorithm": algorithm_state(self.algorithm), **self.replies.state(),
+                "rounds": self.rounds, "metrics": self.metrics}
+
+    def _restore(self) -> None:
+        state = self.store.load(self.config.to_mapping(), self.multipliers, self.pure_epsilons)
+        self.algorithm.__dict__.update(state["algorithm"])
+        self.release.load_state(state)
+        self.replies.load_state(state)
+        self.rounds, self.metrics = state["rounds"], state["metrics"]
+        self.resumed_from = self.completed
+        self.log(f"fedpriv: resumed from {self.checkpoint_path}: {self.completed} of "
+                 f"{len(self.steps())} steps done, epsilon spent {state['epsilon_spent']:.4g}")
+
+    def discard_checkpoint(self) -> None:
+        """Remove the checkpoint once the results are safely written."""
+        self.store.discard()
+
+    def close(self) -> None:
+        """Release the checkpoint lock (a process that dies releases it too)."""
+        self.store.close()
+
+    def results(self, wall_time_s: float, runtime: str) -> dict:
+        return results_dict(
+            self.config, num_nodes=self.num_partitions, runtime=runtime,
+            private=self.algorithm.private, epsilon=self.release.epsilon(), pure=self.pure,
+            multipliers=self.multipliers, ledger=self.accountant.ledger, metrics=self.metrics,
+            rounds=self.rounds, rejections=self.rejections, bounded=self.bounded,
+            resumed_from=self.resumed_from, server_state=self.algorithm.state(),
+            wall_time_s=wall_time_s)
+
+
+def check_run(config: RunConfig, checkpoint_path: Path | None = None) -> PrivateServer:
+    """Everything the server checks before its first step, without running: the privacy plan,
+    the budget ceiling and, when resuming, the checkpoint. Raises if the run cannot start."""
+    server = PrivateServer(config, 1, log=lambda _: None, checkpoint_path=checkpoint_path)
+    server.close()
+    return server
+
+
+def check_plan(config: RunConfig) -> list[float]:
+    """Calibrate the config's privacy plan without running; raises if it cannot be met."""
+    return calibrate(config, get_algorithm(config.algorithm)(config).privacy_plan())

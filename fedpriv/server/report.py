@@ -1,0 +1,136 @@
+"""What a run reports: the per-step report, the progress line, the results dict and its summary.
+
+Pure functions of their arguments: the server passes in what it counted and released. The
+results dict is the results file (``fedpriv.engine.write_results``); its fields are documented
+in the README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fedpriv.algorithms.base import Step
+from fedpriv.config import RunConfig
+
+# metrics shown on a progress line, when a step reports them
+PROGRESS_METRICS = ("subspace_distance", "population_mse", "test_mse", "local_only_mse",
+                    "meta_model_norm", "transfer_risk", "local_risk", "cluster_purity",
+                    "test_accuracy", "local_only_accuracy")
+
+
+def step_report(step: Step, nodes_answered: int, num_nodes: int, users: int,
+                rejected: Mapping[str, int]) -> dict[str, Any]:
+    """The head of one step's report (the release or final metrics are added after it)."""
+    report: dict[str, Any] = {
+        "step": step.label,
+        "nodes_answered": nodes_answered,
+        "nodes_failed": num_nodes - nodes_answered,
+        "users_contributing": users,
+        "rejected": dict(rejected),
+    }
+    if step.group is not None:
+        report["user_group"] = step.group
+    return report
+
+
+def progress_line(report: Mapping[str, Any], total_steps: int, done: int) -> str:
+    """One line per step: steps done, epsilon spent, the step's metrics, nodes, seconds."""
+    parts = [f"[{done}/{total_steps}] {report['step']:<9}"]
+    if "epsilon_spent" in report:
+        parts.append(f"epsilon_spent={report['epsilon_spent']:.4f}")
+    for key in PROGRESS_METRICS:
+        if key in report:
+            parts.append(f"{key}={report[key]:.4g}")
+    if report["step"] != "final":
+        parts.append(f"users={report['users_contributing']}")
+    parts.append(f"nodes={report['nodes_answered']}")
+    if report["nodes_failed"]:
+        parts.append(f"failed={report['nodes_failed']}")
+    if report.get("rejected"):
+        parts.append("rejected=" + ",".join(f"{k}:{n}" for k, n in report["rejected"].items()))
+    parts.append(f"{report['seconds']:.2f}s")
+    return "  ".join(parts)
+
+
+def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bool,
+                 epsilon: float | None, pure: bool, multipliers: Mapping[str, float],
+                 ledger: list[dict], metrics: dict[str, float], rounds: list[dict],
+                 rejections: Mapping[str, int], bounded: int, resumed_from: int | None,
+                 server_state: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
+    """The results file of a run. ``epsilon`` None: sums were released without noise;
+    ``pure``: a pure epsilon-DP run (exponential mechanism), reported at delta 0."""
+    c = config
+    return {
+        "algorithm": c.algorithm,
+        "num_users": c.num_users,
+        "runtime": runtime,
+        "num_nodes": num_nodes,
+        "config": c.to_mapping(),
+        "privacy": {
+            "private": private,
+            # None: sums were released without noise (a non-private baseline)
+            "epsilon": epsilon,
+            "target_epsilon": c.epsilon,
+            "max_epsilon": c.ceiling,
+            "noise": "os-entropy" if c.secure_noise else "seeded",
+            # pure epsilon-DP runs (exponential mechanism): delta 0
+            "delta": 0.0 if pure else c.delta,
+            "accountant": c.accountant,
+            "neighbouring_relation": c.neighbouring_relation,
+            "level": "user",
+            "noise_multipliers": multipliers,
+            "ledger": ledger,
+        },
+        "metrics": metrics,
+        "rounds": rounds,
+        "rejections": dict(rejections),
+        "norm_bounded_nodes": bounded,
+        "node_faults": {"rate": c.node_fault_rate, "kind": c.node_fault_kind},
+        "resumed_from_step": resumed_from,
+        "server_state": server_state,
+        "wall_time_s": wall_time_s,
+    }
+
+
+def summary_lines(results: Mapping[str, Any]) -> list[str]:
+    """A few lines on a finished run: what ran, its quality, its privacy, its wall time."""
+    m, p = results["metrics"], results["privacy"]
+    if "transfer_risk" in m:  # meta-learning: risk of fresh tasks
+        quality = (f"  transfer risk {m['transfer_risk']:.4g} on {m['fresh_tasks']:.0f} fresh tasks"
+                   f"   local training {m['local_risk']:.4g}")
+        if "cluster_purity" in m:
+            quality += f"   cluster purity {m['cluster_purity']:.3f}"
+    elif "test_accuracy" in m:  # classification
+        quality = (f"  test accuracy {m['test_accuracy']:.4f}   each user alone "
+                   f"{m['local_only_accuracy']:.4f}   known embedding "
+                   f"{m['known_embedding_accuracy']:.4f}")
+    else:
+        quality = (f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
+                   f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
+                   f"test MSE {m.get('test_mse', float('nan')):.4g}")
+    lines = [
+        f"fedpriv: {results['algorithm']} on {results['num_users']} users "
+        f"({results['num_nodes']} nodes, {results['runtime']})",
+        quality,
+        privacy_line(p),
+        f"  wall time {results['wall_time_s']:.1f}s",
+    ]
+    if results["rejections"]:
+        lines.append(f"  rejected node replies: {results['rejections']}")
+    return lines
+
+
+def privacy_line(p: Mapping[str, Any]) -> str:
+    """The privacy line of the summary, from the results' ``privacy`` entry."""
+    if p["epsilon"] is None:
+        return "  privacy: none (a non-private baseline: sums released without noise)"
+    if not p["ledger"]:
+        return "  privacy: nothing released from user data (epsilon 0)"
+    if p["delta"] == 0.0:
+        return (f"  privacy: pure epsilon-DP, epsilon spent {p['epsilon']:.4f} (target "
+                f"{p['target_epsilon']}), exponential mechanism, {p['neighbouring_relation']} "
+                "user-level")
+    return (f"  privacy: epsilon spent {p['epsilon']:.4f} (target {p['target_epsilon']}), "
+            f"delta {p['delta']:g}, {p['accountant'].upper()} accountant, "
+            f"{p['neighbouring_relation']} user-level")
