@@ -3,7 +3,7 @@ clustering-based meta-learning, their non-private versions and local training.
 
 Users are tasks: each holds ``samples-per-user`` points of its own distribution (see
 ``fedpriv.data.meta``). The server learns meta-model(s) ``h``; a task then fits its own model
-with the base learner regularized towards ``h`` (``fedpriv.algorithms.meta_learning``). The
+with the base learner regularized towards ``h`` (``fedpriv.algorithms.meta.meta_math``). The
 neighbouring relation is task-level: one task's whole dataset added/removed (``add-remove``) or
 replaced (``replace-one``, the paper's).
 
