@@ -12,11 +12,7 @@ import numpy as np
 from fedpriv.algorithms.base import Algorithm, Step, UserContribution
 from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.algorithms.meta.params import BASE_LEARNER, TASKS
-from fedpriv.algorithms.meta.problem import (
-    evaluate_fresh,
-    final_meta_metrics,
-    meta_problem_of,
-)
+from fedpriv.algorithms.meta.problem import evaluate_fresh, final_meta_metrics, meta_problem_of
 from fedpriv.data.meta import generate_tasks
 from fedpriv.privacy.mechanisms import clipped_sum
 

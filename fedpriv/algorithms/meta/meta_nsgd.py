@@ -19,9 +19,7 @@ from fedpriv.algorithms.base import Part, Step
 from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.algorithms.meta.meta_algorithm import MetaAlgorithm, clip_of
 from fedpriv.algorithms.meta.params import CLUSTERS, META_ROUNDS, SAMPLING
-from fedpriv.algorithms.meta.problem import (
-    paper_tasks_per_round,
-)
+from fedpriv.algorithms.meta.problem import paper_tasks_per_round
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.randomness import user_uniforms

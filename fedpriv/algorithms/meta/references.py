@@ -10,9 +10,7 @@ import numpy as np
 
 from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.meta.meta_algorithm import MetaAlgorithm
-from fedpriv.algorithms.meta.problem import (
-    meta_problem_of,
-)
+from fedpriv.algorithms.meta.problem import meta_problem_of
 from fedpriv.data.meta import cluster_centers
 from fedpriv.privacy.accounting import PlannedRelease
 

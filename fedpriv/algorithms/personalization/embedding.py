@@ -25,10 +25,7 @@ import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.personalization import init_math
-from fedpriv.algorithms.personalization.linear_math import (
-    orthonormalize,
-    subspace_distance,
-)
+from fedpriv.algorithms.personalization.linear_math import orthonormalize, subspace_distance
 from fedpriv.algorithms.personalization.params import INIT, PROBLEM
 from fedpriv.algorithms.personalization.problem import (
     clip_or_inf,

@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.personalization.linear_math import (
-    local_vectors,
-)
+from fedpriv.algorithms.personalization.linear_math import local_vectors
 from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import SyntheticProblem, true_user_models
 
