@@ -201,9 +201,10 @@ class RunConfig:
 
     def to_mapping(self) -> dict[str, Any]:
         """The resolved config with kebab-case keys (what goes in the results file): the core
-        keys, then the algorithm's own."""
+        keys, then the algorithm's own (those that came in ``plugin-config`` too, so the same
+        run has the same mapping on every engine)."""
         core = {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)
-                if f.name != "params"}
+                if f.name not in ("params", "plugin_config")}  # its keys are in params
         return {**core, **dict(self.params)}
 
 
@@ -238,23 +239,43 @@ def _check_unknown(algorithm: str, own: Mapping[str, Param], values: Mapping[str
                    plugin: Mapping[str, Any], strict: bool) -> None:
     known = set(_CORE) | set(own)
     listing = f"its keys: {', '.join(own) or 'none'} (and the core keys)"
-    foreign = sorted(set(plugin) - known)
+    foreign = sorted(set(plugin) - set(own))  # core keys are given directly, never in it
     if foreign:
         raise ConfigError(f"{PLUGIN_CONFIG}: unknown key(s) {foreign} for algorithm "
                           f"{algorithm!r}; {listing}")
     unknown = sorted(set(values) - known)
-    if strict and unknown:
-        raise ConfigError(f"unknown key(s) {unknown} for algorithm {algorithm!r}; {listing}")
-    others = _declared_elsewhere()
+    if not unknown:
+        return
+    if strict:
+        others = _declared_elsewhere()
+        hints = [f"{k} is read by {_few(others[k])}" for k in unknown if k in others]
+        raise ConfigError(f"unknown key(s) {unknown} for algorithm {algorithm!r}; {listing}"
+                          + (f" ({'; '.join(hints)})" if hints else ""))
+    params = _declared_params()
     for key in unknown:
-        param = others.get(key)
+        param = params.get(key)
         if param is not None and param.parse(values[key]) != param.default:
             raise ConfigError(f"{key}: not a key of algorithm {algorithm!r}, so the value "
                               f"{values[key]!r} would do nothing; {listing}")
 
 
-def _declared_elsewhere() -> dict[str, Param]:
-    """Every key some registered algorithm declares (for the non-strict check)."""
+def _few(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _declared_elsewhere() -> dict[str, list[str]]:
+    """Every key some registered algorithm declares, with the algorithms that declare it."""
+    from fedpriv.registry import available, get_algorithm
+
+    readers: dict[str, list[str]] = {}
+    for name in available():
+        for key in get_algorithm(name).declared_params():
+            readers.setdefault(key, []).append(name)
+    return readers
+
+
+def _declared_params() -> dict[str, Param]:
+    """Every registered declaration (one ``Param`` per key: the registry enforces it)."""
     from fedpriv.registry import available, get_algorithm
 
     merged: dict[str, Param] = {}

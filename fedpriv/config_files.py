@@ -10,12 +10,13 @@ reads it through ``load_run_config``, and every place that writes a run-config v
 from __future__ import annotations
 
 import json
+import sys
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config import PLUGIN_CONFIG, ConfigError, default_mapping
+from fedpriv.config import PLUGIN_CONFIG, ConfigError, default_mapping, select_keys
 
 
 def parse_value(text: str) -> Any:
@@ -52,11 +53,25 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
-    """The defaults, updated by the file at ``path`` (if any), then by the ``--set`` items."""
+    """The defaults, updated by the file at ``path`` (if any), then by the ``--set`` items.
+
+    A ``--set algorithm=...`` that switches the file to another algorithm keeps, of the file,
+    only the keys that algorithm reads (the file is then a base, like a sweep's ``[base]``) and
+    says on stderr which keys it left out; everything set with ``--set`` stays strict."""
     values = default_mapping()
+    sets = parse_overrides(overrides)
     if path:
-        values.update(read_config_file(path))
-    values.update(parse_overrides(overrides))
+        given = read_config_file(path)
+        if "algorithm" in sets and sets["algorithm"] != given.get("algorithm",
+                                                                  values["algorithm"]):
+            kept = select_keys({**given, "algorithm": sets["algorithm"]})
+            dropped = sorted(set(given) - set(kept) - {"algorithm"})
+            if dropped:
+                print(f"fedpriv: {path}: {sets['algorithm']} does not read {dropped}; left out",
+                      file=sys.stderr)
+            given = {k: v for k, v in given.items() if k in kept or k == "algorithm"}
+        values.update(given)
+    values.update(sets)
     return values
 
 
@@ -67,6 +82,17 @@ def toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return json.dumps(str(value))  # a TOML basic string
+
+
+def _inner_value(key: str, value: Any) -> str:
+    """A value inside ``plugin-config``: strings as TOML literal strings ('x'), because Flower's
+    ``--run-config key="..."`` parser ends a double-quoted value at the first inner quote."""
+    if isinstance(value, str):
+        if "'" in value or '"' in value or "\n" in value:
+            raise ConfigError(f"{key}: a plug-in key's string value cannot hold quotes or line "
+                              f"breaks through Flower's run-config, got {value!r}")
+        return f"'{value}'"
+    return toml_value(value)
 
 
 def app_config_keys(app_dir: str | Path) -> set[str] | None:
@@ -91,5 +117,5 @@ def for_flower(values: dict[str, Any], app_keys: set[str] | None) -> dict[str, A
     if values.get(PLUGIN_CONFIG):
         raise ConfigError(f"{PLUGIN_CONFIG}: give the plug-in's keys either in it or directly, "
                           f"not both ({sorted(extra)})")
-    table = "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in extra.items()) + " }"
+    table = "{ " + ", ".join(f"{k} = {_inner_value(k, v)}" for k, v in extra.items()) + " }"
     return {**{k: v for k, v in values.items() if k in app_keys}, PLUGIN_CONFIG: table}

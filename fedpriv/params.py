@@ -64,13 +64,13 @@ class Param:
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """The keys one component declares: ``name`` is how listings and errors refer to them."""
-
+    """The keys one component declares: ``name`` is how listings and errors refer to them;
+    ``check`` takes relations between keys (``rank <= dim``, say) and raises ``ConfigError``
+    naming the key."""
 
     name: str
     params: tuple[Param, ...]
     check: Callable[[Any], None] | None = None
-    """Relations between keys (``rank <= dim``, say): raises ``ConfigError`` naming the key."""
 
     def __post_init__(self) -> None:
         merge_params([self])  # no key twice within a group

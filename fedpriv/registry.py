@@ -10,11 +10,13 @@ class programmatically (tests, notebooks).
 
 from __future__ import annotations
 
+import warnings
 from importlib.metadata import entry_points
 
 ENTRY_POINT_GROUP = "fedpriv.algorithms"
 
 _REGISTRY: dict[str, type] = {}
+_FAILED: dict[str, str] = {}  # entry points that could not be loaded: name -> why
 _loaded = {"builtins": False, "entry_points": False}
 
 
@@ -29,7 +31,18 @@ def register(cls: type) -> type:
     declared = getattr(cls, "declared_params", None)
     if declared is None:
         raise TypeError(f"{cls!r} is not a fedpriv Algorithm (no declared_params)")
-    declared()  # a key declared twice with different meanings fails here, at registration
+    params = declared()  # a key declared twice with different meanings fails here
+    for key, param in params.items():
+        if param.resumable:
+            raise ValueError(f"algorithm {name!r}: {key} is marked resumable, but only the core "
+                             "(operational) keys may change on resume")
+        for other in _REGISTRY.values():
+            theirs = other.declared_params().get(key)
+            if theirs is not None and theirs != param:
+                raise ValueError(
+                    f"algorithm {name!r} declares {key} differently from {other.name!r}; a key "
+                    "keeps one meaning and default everywhere (import the shared Param, e.g. "
+                    "from fedpriv.algorithms.shared_params, or choose another name)")
     _REGISTRY[name] = cls
     return cls
 
@@ -45,14 +58,19 @@ def _load_builtins() -> None:
 
 def _load_entry_points() -> None:
     if not _loaded["entry_points"]:
+        _loaded["entry_points"] = True
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name not in _REGISTRY:
+            if ep.name in _REGISTRY:
+                continue
+            try:  # one broken plug-in must not stop the runs of every other algorithm
                 cls = ep.load()
                 if getattr(cls, "name", None) != ep.name:
-                    raise ValueError(f"entry point {ep.name!r} ({ep.value}) loads an algorithm "
-                                     f"named {getattr(cls, 'name', None)!r}; the names must match")
+                    raise ValueError(f"it loads an algorithm named "
+                                     f"{getattr(cls, 'name', None)!r}; the names must match")
                 register(cls)
-        _loaded["entry_points"] = True
+            except Exception as err:  # noqa: BLE001 -- reported, and raised when it is asked for
+                _FAILED[ep.name] = f"plug-in {ep.name!r} ({ep.value}) failed to load: {err}"
+                warnings.warn(_FAILED[ep.name], stacklevel=2)
 
 
 def available() -> list[str]:
@@ -65,6 +83,8 @@ def get_algorithm(name: str) -> type:
     _load_builtins()
     if name not in _REGISTRY:
         _load_entry_points()
+    if name in _FAILED:
+        raise KeyError(_FAILED[name])
     if name not in _REGISTRY:
         raise KeyError(f"unknown algorithm {name!r}; registered: {sorted(_REGISTRY)}")
     return _REGISTRY[name]

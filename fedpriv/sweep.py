@@ -165,12 +165,15 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
         values = {**default_mapping(), **select_keys(base, entry["algorithm"]), **extra,
                   "algorithm": entry["algorithm"]}
         xs: list[Any] = x_values or [None]
-        first = {} if xs[0] is None else {x_key: xs[0]}
+        # a series whose algorithm does not read the x key (a reference such as local-only)
+        # runs at every x without it: a flat line, as before keys were algorithm-owned
+        reads_x = x_key in default_mapping() or x_key in algorithm.declared_params()
+        first = {} if xs[0] is None or not reads_x else {x_key: xs[0]}
         probe = _config(where, {**values, **first, "epsilon": float(epsilons[0]),
                                 "seed": seeds[0]})
         depends = bool(algorithm(probe).privacy_plan())
         for x in xs:
-            at = {} if x is None else {x_key: x}
+            at = {} if x is None or not reads_x else {x_key: x}
             where_x = where if x is None else f"{where} at {x_key}={x}"
             for eps in (epsilons if depends else [None]):
                 for seed in seeds:

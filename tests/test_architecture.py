@@ -180,7 +180,7 @@ def test_commands_and_launchers_stay_below_the_command_line(name):
     if name == "fedpriv.config_files":  # below every command: of fedpriv, only the config
         assert {n for n in names if _mentions({n}, "fedpriv")} <= {
             "fedpriv.config", "fedpriv.config.ConfigError", "fedpriv.config.default_mapping",
-            "fedpriv.config.PLUGIN_CONFIG"}
+            "fedpriv.config.PLUGIN_CONFIG", "fedpriv.config.select_keys"}
 
 
 def test_the_deploy_package_loads_no_flower():

@@ -27,10 +27,11 @@ CLUSTERS = {**PAPER, "task-clusters": 3, "task-std": 0.5, "clip-norm": 1.0,
 
 
 def meta_config(**overrides) -> RunConfig:
-    values = {**PAPER, "algorithm": "meta-nsgd", "num-users": 400, "rounds": 10,
-              "epsilon": 2.0}
-    values.update({k.replace("_", "-"): v for k, v in overrides.items()})
-    return RunConfig.from_mapping(select_keys(values))  # PAPER is shared by every algorithm
+    given = {k.replace("_", "-"): v for k, v in overrides.items()}
+    shared = {**PAPER, "algorithm": given.get("algorithm", "meta-nsgd"), "num-users": 400,
+              "rounds": 10, "epsilon": 2.0}
+    # PAPER is shared by every algorithm (each takes the keys it reads); overrides stay checked
+    return RunConfig.from_mapping({**select_keys(shared), **given})
 
 
 def quiet_run(config, parts=None):

@@ -34,7 +34,7 @@ def test_two_different_declarations_of_one_key_are_refused():
 def test_a_config_holds_exactly_the_core_keys_and_the_algorithms_own():
     config = RunConfig.from_mapping({"algorithm": "priv-altmin", "user-groups": 5})
     assert config.user_groups == 5 and config.has("feature-clip")
-    assert set(config.to_mapping()) == {p.key for p in CORE.params} | set(
+    assert set(config.to_mapping()) == {p.key for p in CORE.params} - {"plugin-config"} | set(
         type_of("priv-altmin").declared_params())
     with pytest.raises(AttributeError, match="'batch-size' is not a key of algorithm"):
         _ = config.batch_size
@@ -105,3 +105,125 @@ def test_the_readme_key_tables_are_the_rendering_of_the_declarations():
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     assert text[start:end] == markdown_tables(), \
         "regenerate the README section with: fedpriv algorithms --markdown"
+
+
+def test_a_key_is_one_declaration_across_every_builtin():
+    seen: dict[str, Param] = {}
+    for cls in BUILTIN:
+        for key, param in cls.declared_params().items():
+            assert seen.setdefault(key, param) is param, f"{key}: two declarations"
+
+
+TINY = {"num-users": 60, "rounds": 2, "epsilon": 8.0, "test-samples-per-user": 2, "dim": 6,
+        "candidates": 20, "jl-dim": 2, "cover-radius": 0.5}
+VARIANTS = [(cls.name, {}) for cls in BUILTIN] + [
+    ("private-fedrep", {"init": "pairs"}), ("private-fedrep", {"init": "random"}),
+    ("priv-altmin", {"init": "u-statistic", "user-groups": 2}),
+    ("fedrep", {"clipping": False}), ("meta-cluster", {"meta-models": 3, "task-clusters": 3}),
+    ("meta-nsgd", {"task-loss": "logistic"}), ("local-only", {"feature-dist": "mixed"}),
+]
+
+
+@pytest.mark.parametrize("name,extra", VARIANTS,
+                         ids=[f"{n}-{'-'.join(map(str, e.values())) or 'default'}"
+                              for n, e in VARIANTS])
+def test_every_builtin_runs_end_to_end_on_the_keys_it_declares(name, extra):
+    """An algorithm reads its keys as attributes; an undeclared read would fail here."""
+    from fedpriv.engine import run_in_process
+
+    family = {"rank": 1} if name.startswith("jl-exp") else {}
+    if name.startswith(("meta", "private-meta", "dp-ftmrl", "ftmrl")) or name.startswith("jl"):
+        family["feature-dist"] = "unit-ball"
+    values = {**select_keys({**TINY, **family, "algorithm": name}), **extra}
+    results = run_in_process(RunConfig.from_mapping(values, strict=True), log=lambda _: None)
+    assert results["config"] == RunConfig.from_mapping(values).to_mapping()
+    assert results["metrics"] and all(v == v for v in results["metrics"].values())  # no NaN
+
+
+def test_plugin_config_and_direct_keys_give_the_same_config_on_every_engine():
+    direct = RunConfig.from_mapping({"algorithm": "priv-altmin", "feature-clip": 3.5})
+    carried = RunConfig.from_mapping({"algorithm": "priv-altmin",
+                                      "plugin-config": "{ feature-clip = 3.5 }"})
+    assert carried.to_mapping() == direct.to_mapping()
+    assert "plugin-config" not in direct.to_mapping()
+    with pytest.raises(ConfigError, match=r"plugin-config: unknown key\(s\) \['epsilon'\]"):
+        RunConfig.from_mapping({"plugin-config": "{ epsilon = 100.0 }"})
+
+
+def test_plug_in_keys_reach_flower_in_plugin_config_that_flower_parses():
+    from flwr.common.config import parse_config_args
+
+    from fedpriv.config_files import for_flower
+    from fedpriv.deploy.commands import run_config_string
+
+    values = {"algorithm": "toy", "seed": 3, "toy-mode": "fast", "toy-scale": 2.5}
+    moved = for_flower(values, {"algorithm", "seed", "plugin-config"})
+    assert moved == {"algorithm": "toy", "seed": 3,
+                     "plugin-config": "{ toy-mode = 'fast', toy-scale = 2.5 }"}
+    assert parse_config_args([run_config_string(moved)]) == moved
+    assert for_flower(values, None) == values  # no app table readable: unchanged
+    with pytest.raises(ConfigError, match="toy-mode: a plug-in key's string value"):
+        for_flower({**values, "toy-mode": "it's"}, {"algorithm", "seed"})
+
+
+def test_switching_a_files_algorithm_keeps_the_keys_the_new_one_reads(capsys):
+    from fedpriv.config_files import load_run_config
+
+    values = load_run_config(str(ROOT / "configs" / "private_fedrep.toml"),
+                             ["algorithm=priv-altmin", "init=pairs"])
+    assert "batch-size" not in values and values["num-users"] == 20000
+    assert "priv-altmin does not read ['batch-size'" in capsys.readouterr().err
+    RunConfig.from_mapping(values, strict=True)
+    with pytest.raises(ConfigError, match="batch-size"):  # what --set names stays strict
+        RunConfig.from_mapping(load_run_config(None, ["algorithm=priv-altmin",
+                                                      "batch-size=2"]), strict=True)
+
+
+def test_a_checkpoint_from_before_algorithm_owned_keys_still_matches():
+    from fedpriv.server.store import changed_keys
+
+    wanted = RunConfig.from_mapping({"algorithm": "priv-altmin"}).to_mapping()
+    old = {**wanted, "batch-size": "max", "candidates": 2000, "meta-lambda": 0.05,
+           "plugin-config": ""}  # the old format held every family's keys
+    assert changed_keys(old, wanted) == []
+    assert changed_keys({**old, "feature-clip": 3.0}, wanted) == ["feature-clip"]
+
+
+class _EntryPoint:
+    def __init__(self, name, target):
+        self.name, self.value, self._target = name, f"tests:{name}", target
+
+    def load(self):
+        return self._target()
+
+
+def _conflicting():
+    from fedpriv.algorithms.base import Algorithm
+
+    class Conflicting(Algorithm):
+        name = "conflicting"
+        components = (ParamGroup("own", (Param("clip-norm", float, 3.0, "another meaning"),)),)
+    return Conflicting
+
+
+def _broken():
+    raise ModuleNotFoundError("No module named 'missing_dependency'")
+
+
+def test_a_broken_or_conflicting_plugin_is_reported_and_does_not_stop_other_runs(monkeypatch):
+    from fedpriv import registry
+
+    registry.available()  # the built-ins first
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_FAILED", {})
+    monkeypatch.setattr(registry, "_loaded", {"builtins": True, "entry_points": False})
+    monkeypatch.setattr(registry, "entry_points", lambda group: [
+        _EntryPoint("broken", _broken), _EntryPoint("conflicting", _conflicting)])
+    with pytest.warns(UserWarning) as caught:
+        names = registry.available()
+    assert sorted(str(w.message).split("'")[1] for w in caught) == ["broken", "conflicting"]
+    assert "broken" not in names and "conflicting" not in names
+    assert "declares clip-norm differently" in registry._FAILED["conflicting"]
+    assert RunConfig.from_mapping({"algorithm": "a-exp"}, strict=True).algorithm == "a-exp"
+    with pytest.raises(ConfigError, match="missing_dependency"):
+        RunConfig.from_mapping({"algorithm": "broken"})

@@ -74,6 +74,8 @@ def test_the_plugin_runs_through_the_flower_simulation(plugin_site, tmp_path, fl
     done = _fedpriv(["run", *settings, "--out", str(flower)], env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     a, b = json.loads(local.read_text()), json.loads(flower.read_text())
+    assert b["config"] == {**a["config"], "results-path": b["config"]["results-path"],
+                           "checkpoint-path": b["config"]["checkpoint-path"]}
     assert b["config"]["toy-scale"] == 2.5 and b["num_nodes"] == a["num_nodes"]
     assert b["metrics"]["scale_seen_by_nodes"] == pytest.approx(2.5)
     assert b["privacy"]["ledger"] == a["privacy"]["ledger"]

@@ -108,3 +108,28 @@ def test_summary_statistics_over_seeds():
     assert row["population_mse_mean"] == pytest.approx(7 / 3)
     assert row["population_mse_std"] == pytest.approx(1.5275252, rel=1e-6)
     assert (row["population_mse_min"], row["population_mse_max"]) == (1.0, 4.0)
+
+
+def test_an_x_key_that_a_reference_series_does_not_read_gives_it_a_flat_line(tmp_path):
+    path = write(tmp_path, """
+        [sweep]
+        x = "clip-norm"
+        x-values = [0.25, 1.0]
+        epsilons = [4]
+
+        [base]
+        num-users = 300
+        dim = 8
+
+        [[series]]
+        algorithm = "private-fedrep"
+
+        [[series]]
+        algorithm = "local-only"
+    """)
+    spec = load_sweep(path)
+    fedrep = [r for r in spec.runs if r.algorithm == "private-fedrep"]
+    local = [r for r in spec.runs if r.algorithm == "local-only"]
+    assert sorted(r.values["clip-norm"] for r in fedrep) == [0.25, 1.0]
+    assert [r.x for r in local] == [0.25, 1.0] and all("clip-norm" not in r.values
+                                                       for r in local)

@@ -18,7 +18,7 @@ from typing import Any
 
 from fedpriv import checkpoint
 from fedpriv.checkpoint import CheckpointError
-from fedpriv.config import resumable_keys
+from fedpriv.config import PLUGIN_CONFIG, resumable_keys
 
 
 def algorithm_state(algorithm: Any) -> dict[str, Any]:
@@ -30,10 +30,13 @@ def algorithm_state(algorithm: Any) -> dict[str, Any]:
 
 
 def changed_keys(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
-    """Config keys that differ between a checkpoint and this run, less those a resume may
-    change."""
-    return sorted(k for k in set(stored) | set(wanted)
-                  if k not in resumable_keys() and stored.get(k) != wanted.get(k))
+    """Keys of this run's config (the core keys and the algorithm's own) whose value differs in
+    the checkpoint, less those a resume may change. Keys the algorithm does not read cannot
+    change what it computes (a checkpoint written before keys became algorithm-owned holds
+    every family's keys), and ``plugin-config`` only carries keys that are compared one by one."""
+    return sorted(k for k in wanted
+                  if k not in resumable_keys() and k != PLUGIN_CONFIG
+                  and stored.get(k) != wanted.get(k))
 
 
 class CheckpointStore:

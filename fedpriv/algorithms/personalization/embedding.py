@@ -41,6 +41,7 @@ from fedpriv.privacy.accounting import PlannedRelease
 
 _RANDOM_INIT_STREAM = 0xA11
 
+
 class EmbeddingAlgorithm(Algorithm):
     """Base of the algorithms that release a shared embedding ``U`` (d x k)."""
 
@@ -101,7 +102,7 @@ class EmbeddingAlgorithm(Algorithm):
             bound = clip_or_inf(c, c.init_clip_norm)
         else:
             bound = init_math.pair_bound(c.samples_per_user // 2,
-                                            clip_or_inf(c, c.response_clip))
+                                         clip_or_inf(c, c.response_clip))
         release = "init" if self.private else None
         return Step("init", 0, release, (Part("total", (c.dim, c.dim), bound, symmetric=True),))
 
@@ -145,10 +146,9 @@ class EmbeddingAlgorithm(Algorithm):
             (x0, y0), _ = data.split_halves()
             if cls.init_method(config) == "u-statistic":
                 total, clipped = init_math.clipped_u_statistic_sum(x0, y0,
-                                                                      step.parts[0].clip_norm)
+                                                                   step.parts[0].clip_norm)
             else:
-                total, clipped = init_math.clipped_pair_sum(x0, y0,
-                                                               clip_or_inf(config,
-                                                                           config.response_clip))
+                total, clipped = init_math.clipped_pair_sum(
+                    x0, y0, clip_or_inf(config, config.response_clip))
             return UserContribution({"total": total}, len(user_ids), clipped)
         return cls.round_contribution(config, step, arrays["embedding"], data)

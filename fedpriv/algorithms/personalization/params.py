@@ -41,7 +41,7 @@ INIT = ParamGroup("private initialization", (
           positive, "a number > 0"),
     Param("init-budget-fraction", float, 0.5, "share of the privacy budget (1/z^2 units) spent "
           "on the initialization", unit_open, "a number in (0, 1)"),
-    RESPONSE_CLIP,
+    RESPONSE_CLIP, CLIPPING,
 ))
 
 FEDREP = ParamGroup("FedRep rounds", (
