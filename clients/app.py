@@ -17,8 +17,8 @@ from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step
 from fedpriv.cohorts import partition_users
 from fedpriv.config import RunConfig
+from fedpriv.evaluation import algorithm_for
 from fedpriv.faults import corrupted, failing_partitions
-from fedpriv.registry import get_algorithm
 
 app = ClientApp()
 
@@ -56,7 +56,7 @@ def _answer(msg: Message, context: Context) -> Message:
                            "(node-fault-rate)")
     if faulty and config.node_fault_kind == "timeout":
         time.sleep(config.node_timeout + 2.0)  # answer only after the server stopped waiting
-    algorithm = get_algorithm(config.algorithm)
+    algorithm = algorithm_for(config)
     users = algorithm.participants(config, step, partition_users(config.num_users, pid, parts))
     arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
         msg.content) else {}

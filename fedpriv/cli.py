@@ -28,7 +28,8 @@ from fedpriv.launcher import run_flower
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedpriv import checkpoint
-    from fedpriv.engine import run_in_process, write_results
+    from fedpriv.engine import run_in_process
+    from fedpriv.outputs import output_lines, release_path, write_outputs
     from fedpriv.privacy.accounting import InfeasiblePlanError
     from fedpriv.server import check_run, summary_lines
 
@@ -51,17 +52,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
         print(f"fedpriv: invalid config: {err}", file=sys.stderr)
         return 2
-    if out.exists():
-        out.unlink()  # never report a stale file as this run's result
+    for stale in (out, release_path(out)):
+        if stale.exists():
+            stale.unlink()  # never report a stale file as this run's result
     if args.engine == "inprocess":
         results = run_in_process(config, checkpoint_path=ckpt)
-        write_results(results, out)
+        report, release = write_outputs(results, out)
         if ckpt is not None:
             checkpoint.remove(ckpt)  # the results file is now the record of the run
         print("\n".join(summary_lines(results)))
-        print(f"fedpriv: results written to {out}")
+        print("\n".join(output_lines(report, release, results)))
         return 0
     code = run_flower(config, values, out, args.keep_superlink, ray_address=args.ray_address)
+    if code == 0 and not release_path(out).is_file():
+        print(f"fedpriv: the run wrote {out} but no release beside it", file=sys.stderr)
+        code = 1
     if code != 0 and ckpt is not None and ckpt.exists():
         print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)}); continue "
               "with: fedpriv run ... --resume", file=sys.stderr)

@@ -89,6 +89,14 @@ CORE = ParamGroup("every run", (
           "`.checkpoint`", resumable=True),
     Param("resume", bool, False, "continue from the checkpoint (`fedpriv run --resume` sets it)",
           resumable=True),
+    Param("private-metrics", bool, False, "release the final evaluation (each user's clipped "
+          "test loss, or accuracy) with Gaussian noise as one more planned, accounted release, "
+          "so the release carries a private utility figure"),
+    Param("metric-clip", float, 1.0, "private metrics: each user's loss is clipped to "
+          "[0, metric-clip] (accuracies and errors to [0, 1]); the sensitivity of the mean is "
+          "metric-clip / n", positive, "a number > 0"),
+    Param("metrics-budget-fraction", float, 0.1, "private metrics: share of the privacy budget "
+          "(1/z^2 units) spent on the evaluation release", unit_open, "a number in (0, 1)"),
     Param(PLUGIN_CONFIG, str, "", "keys of a plug-in algorithm that the Flower app's "
           "`[tool.flwr.app.config]` does not list, as a TOML inline table (`fedpriv run` fills "
           "it); checked strictly", resumable=False),
@@ -140,6 +148,9 @@ class RunConfig:
     checkpoint: bool
     checkpoint_path: str
     resume: bool
+    private_metrics: bool
+    metric_clip: float
+    metrics_budget_fraction: float
     plugin_config: str
     params: tuple[tuple[str, Any], ...] = ()  # (key, value) of the algorithm's own keys
 
@@ -192,7 +203,11 @@ class RunConfig:
                               f"({self.max_epsilon}); the run would spend more than allowed")
         if self.resume and not self.checkpoint:
             raise ConfigError("resume: needs checkpoint = true")
-        get_algorithm(self.algorithm).validate(self)
+        from fedpriv.evaluation import check
+
+        cls = get_algorithm(self.algorithm)
+        cls.validate(self)
+        check(self, cls)
 
     @property
     def ceiling(self) -> float:

@@ -9,7 +9,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedpriv.checkpoint import checkpoint_path
 from fedpriv.config import RunConfig
-from fedpriv.engine import write_results
+from fedpriv.outputs import output_lines, write_outputs
 from fedpriv.server import summary_lines
 from strategies.private import PrivateStrategy, discover_partitions
 
@@ -31,8 +31,9 @@ def main(grid: Grid, context: Context) -> None:
         f"{k}={v:.4g}" for k, v in strategy.server.multipliers.items()), flush=True)
     results = strategy.run(grid)
     results["wall_time_s"] = time.perf_counter() - started
-    path = write_results(results, config.results_path)
+    path, release = write_outputs(results, config.results_path)
     strategy.server.discard_checkpoint()  # the results file is now the record of the run
     for line in summary_lines(results):
         print(line, flush=True)
-    print(f"fedpriv: results written to {path}", flush=True)
+    for line in output_lines(path, release, results):
+        print(line, flush=True)

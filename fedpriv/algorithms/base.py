@@ -177,7 +177,9 @@ class Algorithm:
         raise NotImplementedError
 
     def state(self) -> dict[str, Any]:
-        """Server state worth saving with the results (JSON-serializable)."""
+        """The released model(s), JSON-serializable. It goes into the *release* of the run
+        (``fedpriv.outputs``), so it must be computed only from the noisy releases (a
+        post-processing): never exact statistics of the users' data or secret noise state."""
         return {}
 
     # ----- both sides ------------------------------------------------------------------------

@@ -22,8 +22,8 @@ import numpy as np
 from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.cohorts import partition_users
 from fedpriv.config import RunConfig
+from fedpriv.evaluation import EVALUATE, algorithm_for
 from fedpriv.privacy.accounting import Accountant
-from fedpriv.registry import get_algorithm
 from fedpriv.server.release import Releaser, calibrate
 from fedpriv.server.replies import NodeReply, ReplyChecker
 from fedpriv.server.report import progress_line, results_dict, step_report
@@ -38,7 +38,7 @@ class PrivateServer:
                  log: Callable[[str], None] = print, checkpoint_path: Path | None = None) -> None:
         self.config, self.num_partitions = config, num_partitions
         self.log, self.checkpoint_path = log, checkpoint_path
-        self.algorithm: Any = get_algorithm(config.algorithm)(config)
+        self.algorithm: Any = algorithm_for(config)(config)
         self.plan = self.algorithm.privacy_plan()
         calibrated = calibrate(config, self.plan)
         releases = [s for s in self.steps() if s.release is not None]
@@ -173,7 +173,9 @@ class PrivateServer:
         scale = self.release.rescale(step, answered, self._hosted, self.expected_users(step))
         means = {part.name: self.replies.bounded_sum(part, accepted) / population
                  for part in step.parts}
-        return self.release.gaussian(step, means, population, scale)
+        exact = ({f"exact_private_{k}": float(v.reshape(-1)[0]) for k, v in means.items()}
+                 if step.kind == EVALUATE else {})  # operator report only, never released
+        return {**exact, **self.release.gaussian(step, means, population, scale)}
 
     # ----- checkpoints and results -----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -208,7 +210,22 @@ class PrivateServer:
             multipliers=self.multipliers, ledger=self.accountant.ledger, metrics=self.metrics,
             rounds=self.rounds, rejections=self.rejections, bounded=self.bounded,
             resumed_from=self.resumed_from, server_state=self.algorithm.state(),
-            wall_time_s=wall_time_s)
+            private_metrics=self._private_metrics(), wall_time_s=wall_time_s)
+
+    def _private_metrics(self) -> dict[str, dict[str, float]]:
+        """The evaluation release (``private-metrics``): each metric's noisy mean (released),
+        its exact clipped mean (operator only), clip and noise std."""
+        noisy = getattr(self.algorithm, "private_metrics", None)
+        if not noisy:
+            return {}
+        report = next(r for r in self.rounds if r["step"] == EVALUATE)
+        entry = next(e for e in self.accountant.ledger if e["release"] == EVALUATE)
+        stds = ({p["name"]: p["noise_std"] for p in entry["parts"]} if "parts" in entry
+                else dict.fromkeys(noisy, entry["noise_std"]))
+        bounds = self.algorithm.evaluation_bounds(self.config)
+        return {name: {"value": value, "exact_clipped": report[f"exact_private_{name}"],
+                       "clip": bounds[name], "noise_std": stds[name],
+                       "users": self.config.num_users} for name, value in noisy.items()}
 
 
 def check_run(config: RunConfig, checkpoint_path: Path | None = None) -> PrivateServer:
@@ -221,4 +238,4 @@ def check_run(config: RunConfig, checkpoint_path: Path | None = None) -> Private
 
 def check_plan(config: RunConfig) -> list[float]:
     """Calibrate the config's privacy plan without running; raises if it cannot be met."""
-    return calibrate(config, get_algorithm(config.algorithm)(config).privacy_plan())
+    return calibrate(config, algorithm_for(config)(config).privacy_plan())

@@ -57,7 +57,8 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
                  epsilon: float | None, pure: bool, multipliers: Mapping[str, float],
                  ledger: list[dict], metrics: dict[str, float], rounds: list[dict],
                  rejections: Mapping[str, int], bounded: int, resumed_from: int | None,
-                 server_state: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
+                 server_state: dict[str, Any], wall_time_s: float,
+                 private_metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The results file of a run. ``epsilon`` None: sums were released without noise;
     ``pure``: a pure epsilon-DP run (exponential mechanism), reported at delta 0."""
     c = config
@@ -83,6 +84,7 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
             "ledger": ledger,
         },
         "metrics": metrics,
+        "private_metrics": dict(private_metrics or {}),
         "rounds": rounds,
         "rejections": dict(rejections),
         "norm_bounded_nodes": bounded,

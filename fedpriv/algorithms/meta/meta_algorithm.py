@@ -12,7 +12,13 @@ import numpy as np
 from fedpriv.algorithms.base import Algorithm, Step, UserContribution
 from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.algorithms.meta.params import BASE_LEARNER, TASKS
-from fedpriv.algorithms.meta.problem import evaluate_fresh, final_meta_metrics, meta_problem_of
+from fedpriv.algorithms.meta.problem import (
+    evaluate_fresh,
+    evaluation_bounds,
+    final_meta_metrics,
+    fresh_task_values,
+    meta_problem_of,
+)
 from fedpriv.data.meta import generate_tasks
 from fedpriv.privacy.mechanisms import clipped_sum
 
@@ -59,6 +65,14 @@ class MetaAlgorithm(Algorithm):
     def state(self) -> dict[str, Any]:
         return {"meta_models": self.output().tolist(), "last_iterates": self.models.tolist(),
                 "iterates_averaged": self.iterates if self.average_iterates else 0}
+
+    evaluation_bounds = staticmethod(evaluation_bounds)
+
+    @classmethod
+    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+                          user_ids: np.ndarray) -> dict[str, np.ndarray]:
+        models = np.atleast_2d(np.asarray(arrays["models"], dtype=np.float64))
+        return fresh_task_values(config, models, user_ids)
 
     @classmethod
     def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],

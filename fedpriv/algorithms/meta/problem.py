@@ -64,6 +64,31 @@ def evaluate_fresh(config: Any, models: np.ndarray, task_ids: np.ndarray) -> dic
     return sums
 
 
+def fresh_task_values(config: Any, models: np.ndarray,
+                      task_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Each fresh task's transfer risk (test loss of the model fitted from the meta-model(s))
+    and, for logistic tasks, its 0-1 error: the per-task values of ``evaluate_fresh``."""
+    problem = meta_problem_of(config)
+    lam, acc, loss = config.meta_lambda, config.base_accuracy, config.task_loss
+    train = generate_tasks(problem, task_ids, fresh=True)
+    test = generate_tasks(problem, task_ids, fresh=True,
+                          test_samples=config.test_samples_per_user)
+    _, fitted = ml.select_and_fit(train.features, train.labels, models, lam, loss, acc)
+    values = {"transfer_risk": ml.task_losses(test.features, test.labels, fitted.models, loss)}
+    if loss == "logistic":
+        values["transfer_error"] = ml.task_errors(test.features, test.labels, fitted.models)
+    return values
+
+
+def evaluation_bounds(config: Any) -> dict[str, float]:
+    """Private metrics of meta-learning: each fresh task's transfer risk clipped to
+    ``[0, metric-clip]``, and its 0-1 error in [0, 1] (logistic tasks)."""
+    bounds = {"transfer_risk": config.metric_clip}
+    if config.task_loss == "logistic":
+        bounds["transfer_error"] = 1.0
+    return bounds
+
+
 def final_meta_metrics(config: Any, sums: Mapping[str, float], num_tasks: int,
                        num_models: int) -> dict[str, float]:
     metrics = {

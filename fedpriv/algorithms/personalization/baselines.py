@@ -28,9 +28,11 @@ from fedpriv.algorithms.personalization.problem import (
     clip_or_inf,
     embedding_models,
     evaluate_models,
+    evaluation_bounds,
     final_metrics,
     local_models,
     problem_of,
+    user_test_mse,
 )
 from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
@@ -58,6 +60,15 @@ class _FinalOnly(Algorithm):
     @classmethod
     def models(cls, config: Any, user_ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    evaluation_bounds = staticmethod(evaluation_bounds)
+
+    @classmethod
+    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+                          user_ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {"test_mse": user_test_mse(problem_of(config), user_ids,
+                                          cls.models(config, user_ids),
+                                          config.test_samples_per_user)}
 
     @classmethod
     def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
@@ -122,6 +133,16 @@ class DPGlobalModel(Algorithm):
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.tolist()}
+
+    evaluation_bounds = staticmethod(evaluation_bounds)
+
+    @classmethod
+    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+                          user_ids: np.ndarray) -> dict[str, np.ndarray]:
+        model = np.asarray(arrays["model"], dtype=np.float64)
+        models = np.broadcast_to(model, (len(user_ids), config.dim))
+        return {"test_mse": user_test_mse(problem_of(config), user_ids, models,
+                                          config.test_samples_per_user)}
 
     @classmethod
     def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],

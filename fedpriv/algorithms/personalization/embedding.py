@@ -31,8 +31,10 @@ from fedpriv.algorithms.personalization.problem import (
     clip_or_inf,
     embedding_models,
     evaluate_models,
+    evaluation_bounds,
     final_metrics,
     problem_of,
+    user_test_mse,
 )
 from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
@@ -131,6 +133,16 @@ class EmbeddingAlgorithm(Algorithm):
     def state(self) -> dict[str, Any]:
         return {"init": self.init,
                 "embedding": None if self.embedding is None else self.embedding.tolist()}
+
+    evaluation_bounds = staticmethod(evaluation_bounds)
+
+    @classmethod
+    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+                          user_ids: np.ndarray) -> dict[str, np.ndarray]:
+        problem = problem_of(config)
+        models = embedding_models(problem, arrays["embedding"], user_ids)
+        return {"test_mse": user_test_mse(problem, user_ids, models,
+                                          config.test_samples_per_user)}
 
     @classmethod
     def user_step(

@@ -47,13 +47,25 @@ def evaluate_models(
     """
     data = cohort_data(problem, user_ids)
     w_star = true_user_models(problem, data.true_local_vectors)
-    test = cohort_data(problem, user_ids, samples=test_samples, fresh=True)
-    test_err = test.labels - np.einsum("nmd,nd->nm", test.features, models)
     return {
         "excess": float(((models - w_star) ** 2).sum()),
-        "test_se": float((test_err**2).mean(axis=1).sum()),
+        "test_se": float(user_test_mse(problem, user_ids, models, test_samples).sum()),
         "local_excess": float(((local_models(problem, user_ids) - w_star) ** 2).sum()),
     }
+
+
+def user_test_mse(problem: SyntheticProblem, user_ids: np.ndarray, models: np.ndarray,
+                  test_samples: int) -> np.ndarray:
+    """Each user's mean squared error of its model on fresh test samples, (n,)."""
+    test = cohort_data(problem, user_ids, samples=test_samples, fresh=True)
+    test_err = test.labels - np.einsum("nmd,nd->nm", test.features, models)
+    return (test_err**2).mean(axis=1)
+
+
+def evaluation_bounds(config: Any) -> dict[str, float]:
+    """Private metrics of the personalization family: each user's test MSE, clipped to
+    ``[0, metric-clip]`` (see ``fedpriv.evaluation``)."""
+    return {"test_mse": config.metric_clip}
 
 
 def local_models(problem: SyntheticProblem, user_ids: np.ndarray) -> np.ndarray:

@@ -1,0 +1,157 @@
+"""What leaves the server: the release (public config, ledger, released model, noisy private
+metrics) kept apart from the operator report (exact metrics, counts, seeds)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedpriv.algorithms.catalogue import BUILTIN
+from fedpriv.config import ConfigError, RunConfig, select_keys
+from fedpriv.engine import run_in_process
+from fedpriv.outputs import WITHHELD_CONFIG, publishable, release_document, write_outputs
+from tests.test_accounting import analytic_gaussian_epsilon
+
+TINY = {"num-users": 300, "rounds": 2, "epsilon": 4.0, "test-samples-per-user": 3, "dim": 6,
+        "candidates": 20, "jl-dim": 2, "cover-radius": 0.5}
+PRIVATE = [cls.name for cls in BUILTIN if cls.private]
+
+
+def tiny_config(name, **extra):
+    family = {"rank": 1} if name.startswith("jl-exp") else {}
+    if name.startswith(("meta", "private-meta", "dp-ftmrl", "jl")):
+        family["feature-dist"] = "unit-ball"
+    values = select_keys({**TINY, **family, "algorithm": name})
+    return RunConfig.from_mapping({**values, **{k.replace("_", "-"): v
+                                                for k, v in extra.items()}}, strict=True)
+
+
+def _walk(value, path=""):
+    """Every (path, leaf) of a JSON value, and every key as a leaf named 'key:...'."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield f"{path}/key:{k}", k
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def _exact_statistics(report):
+    """Numbers computed from the users' data that only the operator report may hold."""
+    numbers = {v for v in report["metrics"].values() if isinstance(v, float)}
+    for r in report["rounds"]:  # private_* are the noisy (released) evaluation values
+        numbers.update(v for k, v in r.items() if isinstance(v, (int, float))
+                       and k not in ("step", "epsilon_spent", "seconds")
+                       and not k.startswith("private_"))
+    for m in report["private_metrics"].values():
+        numbers.add(m["exact_clipped"])
+    return {n for n in numbers if n not in (0, 1)}
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processing(name):
+    extra = {} if name in ("a-exp", "jl-exp") else {"private_metrics": True}
+    report = run_in_process(tiny_config(name, **extra), log=lambda _: None)
+    release = release_document(report)
+    assert set(release) == {"document", "publishable", "not_publishable_because", "algorithm",
+                            "num_users", "config", "privacy", "released", "private_metrics",
+                            "steps"}
+    # public config: the run's config less seeds and paths
+    assert release["config"] == {k: v for k, v in report["config"].items()
+                                 if k not in WITHHELD_CONFIG}
+    assert release["privacy"] == report["privacy"]  # the ledger and (epsilon, delta)
+    assert release["released"] == report["server_state"]  # the released model(s)
+    assert all(set(s) == {"step", "epsilon_spent"} for s in release["steps"])
+    noisy = {k: m["value"] for k, m in report["private_metrics"].items()}
+    assert {k: m["value"] for k, m in release["private_metrics"].items()} == noisy
+    assert bool(noisy) == bool(extra)
+    # no seed anywhere, and no exact statistic of the users' data anywhere
+    keys = {leaf for path, leaf in _walk(release) if "/key:" in path.rsplit("/", 1)[-1:][0]}
+    assert not keys & {"seed", "noise-seed", "noise_seed", "exact_clipped", "users_clipped",
+                       "users_contributing"}
+    # config and privacy equal the operator's public entries (above); what else carries
+    # numbers is the released model and the private metrics: none may be an exact statistic
+    carried = [release["released"], release["private_metrics"]]
+    leaked = _exact_statistics(report) & {leaf for _, leaf in _walk(carried)
+                                          if isinstance(leaf, float) and "/key:" not in _}
+    assert not leaked, f"exact statistics in the release: {leaked}"
+
+
+def test_a_seeded_release_is_not_publishable_and_a_secure_noise_release_is(tmp_path):
+    seeded = run_in_process(tiny_config("private-fedrep"), log=lambda _: None)
+    ok, why = publishable(seeded)
+    assert not ok and "seeded" in why and "secure-noise = true" in why
+    report_path, release_path = write_outputs(seeded, tmp_path / "run.json")
+    assert release_path.name == "run.release.json"
+    release = json.loads(release_path.read_text())
+    assert release["publishable"] is False and "seeded" in release["not_publishable_because"]
+    assert json.loads(report_path.read_text())["document"].startswith("fedpriv OPERATOR REPORT")
+    assert release_path.read_text().splitlines()[1].startswith('  "document": "fedpriv RELEASE')
+    secure = run_in_process(tiny_config("private-fedrep", secure_noise=True),
+                            log=lambda _: None)
+    assert publishable(secure) == (True, "")
+    nothing = run_in_process(tiny_config("local-only"), log=lambda _: None)
+    assert publishable(nothing)[0]  # nothing released from user data
+    baseline = run_in_process(RunConfig.from_mapping({**select_keys(TINY | {
+        "algorithm": "fedrep"})}), log=lambda _: None)
+    assert publishable(baseline) == (False, publishable(baseline)[1])
+    assert "without noise" in publishable(baseline)[1]
+
+
+def test_private_metrics_are_one_more_accounted_release_within_their_stated_noise():
+    config = RunConfig.from_mapping({"num-users": 20000, "dim": 10, "rounds": 3,
+                                     "private-metrics": True, "metric-clip": 0.05,
+                                     "metrics-budget-fraction": 0.2})
+    plain = run_in_process(RunConfig.from_mapping({**config.to_mapping(),
+                                                   "private-metrics": False}),
+                           log=lambda _: None)
+    report = run_in_process(config, log=lambda _: None)
+    ledger = report["privacy"]["ledger"]
+    assert [e["release"] for e in ledger] == ["init", "round-1", "round-2", "round-3",
+                                              "evaluate"]
+    assert report["privacy"]["epsilon"] == ledger[-1]["epsilon_spent"] <= config.epsilon
+    # the whole plan, evaluation included, is one composition of Gaussians at the target
+    zs = [e["noise_multiplier"] for e in ledger]
+    assert analytic_gaussian_epsilon(zs, config.delta) == pytest.approx(config.epsilon,
+                                                                        rel=1e-3)
+    # the evaluation's share: 1/z^2 of it is 20% of the total; the rest kept its proportions
+    mu2 = sum(1 / z**2 for z in zs)
+    assert 1 / zs[-1] ** 2 / mu2 == pytest.approx(0.2, rel=1e-6)
+    assert report["privacy"]["noise_multipliers"]["round"] > plain["privacy"][
+        "noise_multipliers"]["round"]
+    m = report["private_metrics"]["test_mse"]
+    assert m["noise_std"] == pytest.approx(zs[-1] * 0.05 / 20000)
+    assert m["value"] != m["exact_clipped"]  # noise was applied
+    assert abs(m["value"] - m["exact_clipped"]) < 4 * m["noise_std"]
+    # the exact clipped mean is the exact test MSE where no user hit the clip
+    assert m["exact_clipped"] <= report["metrics"]["test_mse"] + 1e-12
+
+
+@pytest.mark.parametrize("name,why", [("fedrep", "non-private"), ("a-exp", "pure epsilon-DP")])
+def test_private_metrics_are_refused_where_they_cannot_be_released(name, why):
+    with pytest.raises(ConfigError, match=f"private-metrics: .*{why}"):
+        tiny_config(name, private_metrics=True)
+
+
+@pytest.mark.integration
+def test_the_flower_app_writes_a_publishable_release_with_private_metrics(tmp_path,
+                                                                           flower_env):
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out),
+                           "--set", "num-users=600", "--set", "rounds=2", "--set",
+                           "secure-noise=true", "--set", "private-metrics=true"],
+                          env=flower_env, capture_output=True, text=True, timeout=480,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    release = json.loads((tmp_path / "results.release.json").read_text())
+    report = json.loads(out.read_text())
+    assert release["publishable"] is True and report["runtime"] == "flower"
+    assert release["privacy"]["ledger"][-1]["release"] == "evaluate"
+    assert release["private_metrics"]["test_mse"]["value"] == report["private_metrics"][
+        "test_mse"]["value"]
+    assert "operator report (exact, not private; do not publish)" in proc.stdout
+    assert "release (what may leave the server; publishable)" in proc.stdout
