@@ -60,11 +60,12 @@ CORE = ParamGroup("every run", (
           "`add-remove` or `replace-one` user", *one_of(NEIGHBOURING_RELATIONS)),
     Param("rounds", int, 5, "rounds T", positive, "an integer >= 1"),
     Param("seed", int, 0, "run seed: data, batches and noise all derive from it",
-          non_negative, "an integer >= 0"),
+          non_negative, "an integer >= 0", public=False),
     Param("users-per-node", int, 0, "users per SuperNode; 0 = auto (<= 10 nodes, cohorts >= 100 "
           "users); 1 = one device per user", non_negative, "an integer >= 0", resumable=True),
-    Param("results-path", str, "results/fedpriv-results.json", "results JSON",
-          resumable=True),
+    Param("results-path", str, "results/fedpriv-operator-report.json", "the operator report "
+          "(exact; not private); the release goes beside it as <name>.release.json",
+          resumable=True, public=False),
     Param("node-timeout", float, 600.0, "seconds to wait for node replies in a step (node "
           "discovery waits at least 120 s)", positive, "a number > 0", resumable=True),
     Param("max-epsilon", float, 0.0, "budget ceiling: a run (or resumed run) whose releases "
@@ -73,7 +74,7 @@ CORE = ParamGroup("every run", (
     Param("secure-noise", bool, False, "privacy noise from an OS-entropy-seeded generator (not "
           "reproducible); refuses a fixed noise-seed"),
     Param("noise-seed", int, -1, "seed of the privacy noise only; -1 = derived from seed",
-          lambda x: x >= -1, "an integer >= -1"),
+          lambda x: x >= -1, "an integer >= -1", public=False),
     Param("node-fault-rate", float, 0.0, "simulated faults: the fraction of nodes (rounded "
           "down) that fail in every step, drawn per step from the seed",
           lambda x: 0 <= x < 1, "a number in [0, 1)", resumable=True),
@@ -86,15 +87,16 @@ CORE = ParamGroup("every run", (
     Param("checkpoint", bool, True, "save the server state after every step (atomically) so an "
           "interrupted run can be resumed", resumable=True),
     Param("checkpoint-path", str, "", "checkpoint file; `\"\"` = the results path with suffix "
-          "`.checkpoint`", resumable=True),
+          "`.checkpoint`", resumable=True, public=False),
     Param("resume", bool, False, "continue from the checkpoint (`fedpriv run --resume` sets it)",
-          resumable=True),
+          resumable=True, public=False),
     Param("private-metrics", bool, False, "release the final evaluation (each user's clipped "
           "test loss, or accuracy) with Gaussian noise as one more planned, accounted release, "
           "so the release carries a private utility figure"),
-    Param("metric-clip", float, 1.0, "private metrics: each user's loss is clipped to "
-          "[0, metric-clip] (accuracies and errors to [0, 1]); the sensitivity of the mean is "
-          "metric-clip / n", positive, "a number > 0"),
+    Param("metric-clip", float, 0.0, "private metrics: each user's loss is clipped to "
+          "[0, metric-clip] (0-1 errors to [0, 1]); 0 = the family's bound from public "
+          "problem parameters; the centred mean's sensitivity is metric-clip / (2n) "
+          "(add-remove) or metric-clip / n (replace-one)", non_negative, "a number >= 0"),
     Param("metrics-budget-fraction", float, 0.1, "private metrics: share of the privacy budget "
           "(1/z^2 units) spent on the evaluation release", unit_open, "a number in (0, 1)"),
     Param(PLUGIN_CONFIG, str, "", "keys of a plug-in algorithm that the Flower app's "
@@ -208,6 +210,11 @@ class RunConfig:
         cls = get_algorithm(self.algorithm)
         cls.validate(self)
         check(self, cls)
+
+    def defaults(self) -> dict[str, Any]:
+        """The declared default of every key of this run (core and the algorithm's own)."""
+        return {**{p.key: p.default for p in CORE.params},
+                **{p.key: p.default for p in algorithm_params(self.algorithm).values()}}
 
     @property
     def ceiling(self) -> float:

@@ -2,14 +2,21 @@
 
 With ``private-metrics = true`` every run gets an ``evaluate`` step just before its final one.
 Each user computes its own evaluation values with the released model (e.g. its test squared
-error, or a fresh task's transfer risk), clips each to ``[0, B]`` (``metric-clip`` for a loss, 1
-for an accuracy or error), and the node sends the sums. The server bounds each node's sums,
-divides by the fixed population n and adds Gaussian noise: one user moves each mean by at most
-``B / n`` (add/remove; twice for replace-one), so the step is one Gaussian mechanism on the same
-users and composes with the rest of the plan. It gets ``metrics-budget-fraction`` of the
-privacy budget (in 1/z^2 units); the other releases share the rest in their usual proportions.
-Nothing but the noisy means leaves the server: the exact clipped means stay in the operator
-report, for comparison.
+error, or a fresh task's transfer risk), clips each to ``[0, B]`` (a loss to ``metric-clip``, or
+the family's bound from public problem parameters when it is 0; a 0-1 error to [0, 1]; a
+non-finite value counts as B) and centres it, ``v - B/2``, so that it lies in ``[-B/2, B/2]``;
+the node sends the sums. The server bounds each node's sums, divides by the fixed population n,
+adds Gaussian noise and adds ``B/2`` back (public, post-processing). One user moves each centred
+mean by at most ``B / (2n)`` under add/remove and ``B / n`` under replace-one, so the step is one
+Gaussian mechanism on the same users and composes with the rest of the plan.
+
+Budget: the evaluation's noise multiplier is fixed before the rest is calibrated, at
+``z = 1 / (sqrt(f) mu)``, where ``mu`` is the Gaussian-DP parameter of the target (epsilon,
+delta) and ``f = metrics-budget-fraction``: alone, the evaluation is ``sqrt(f) mu``-GDP, a share
+``f`` of the target in GDP units; the other releases are then calibrated to what is left (for an
+unsampled plan exactly ``1 - f`` of ``mu^2``; a Poisson-sampled plan's rounds get what the
+accountant says remains). Nothing but the noisy means leaves the server: the exact clipped
+means stay in the operator report, for comparison.
 
 An algorithm takes part by providing ``evaluation_values(config, arrays, user_ids)`` (per-user
 arrays, one per metric) and ``evaluation_bounds(config)`` ({metric: B}). ``with_evaluation(cls)``
@@ -19,7 +26,7 @@ derives the class that runs it; the server and the nodes both get it from
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
@@ -28,7 +35,7 @@ import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.params import ConfigError
-from fedpriv.privacy.accounting import PlannedRelease
+from fedpriv.privacy.accounting import PlannedRelease, gdp_mu
 
 EVALUATION = "evaluation"
 EVALUATE = "evaluate"
@@ -64,17 +71,17 @@ def with_evaluation(cls: type) -> type:
     class Evaluated(cls):  # type: ignore[valid-type, misc]
         def privacy_plan(self) -> list[PlannedRelease]:
             base = super().privacy_plan()
-            share = self.config.metrics_budget_fraction
-            total = sum(r.count * r.weight for r in base)
-            scaled = [dataclasses.replace(r, weight=r.weight * (1.0 - share) / total)
-                      for r in base]
-            return [*scaled, PlannedRelease(EVALUATION, share if base else 1.0)]
+            if not base:  # nothing else is released: the evaluation takes the whole budget
+                return [PlannedRelease(EVALUATION, 1.0)]
+            c = self.config
+            z = 1.0 / (math.sqrt(c.metrics_budget_fraction) * gdp_mu(c.epsilon, c.delta))
+            return [*base, PlannedRelease(EVALUATION, 1.0, multiplier=z)]
 
         def steps(self) -> list[Step]:
             base = super().steps()
             bounds = self.evaluation_bounds(self.config)
-            parts = tuple(Part(name, (1,), bound, 1.0 / len(bounds))
-                          for name, bound in bounds.items())
+            parts = tuple(Part(name, (1,), bound / 2.0, 1.0 / len(bounds))
+                          for name, bound in bounds.items())  # values centred: |v - B/2| <= B/2
             return [*base[:-1], Step(EVALUATE, 0, EVALUATION, parts), base[-1]]
 
         def broadcast(self, step: Step) -> dict[str, np.ndarray]:
@@ -92,7 +99,8 @@ def with_evaluation(cls: type) -> type:
         def apply(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> dict[str, float]:
             if step.kind != EVALUATE:
                 return super().apply(step, noisy_means)
-            self.private_metrics = {k: float(np.asarray(v).reshape(-1)[0])
+            half = {p.name: p.clip_norm for p in step.parts}  # B/2, public
+            self.private_metrics = {k: float(np.asarray(v).reshape(-1)[0]) + half[k]
                                     for k, v in noisy_means.items()}
             return {f"private_{k}": v for k, v in self.private_metrics.items()}
 
@@ -116,11 +124,13 @@ def with_evaluation(cls: type) -> type:
 
 def clipped_evaluation(values: Mapping[str, np.ndarray], bounds: Mapping[str, float],
                        num_users: int) -> UserContribution:
-    """Per-metric sums of the users' values clipped to ``[0, bound]``; the users with a clipped
-    value are counted (operator information)."""
+    """Per-metric sums of the users' values clipped to ``[0, bound]`` and centred (``v - B/2``);
+    a non-finite value counts as the bound. The users with a clipped value are counted
+    (operator information)."""
     totals, clipped = {}, np.zeros(num_users, dtype=bool)
     for name, bound in bounds.items():
         v = np.asarray(values[name], dtype=np.float64)
+        v = np.nan_to_num(v, nan=bound, posinf=bound, neginf=0.0)
         clipped |= (v > bound) | (v < 0)
-        totals[name] = np.array([np.clip(v, 0.0, bound).sum()])
+        totals[name] = np.array([(np.clip(v, 0.0, bound) - bound / 2.0).sum()])
     return UserContribution(totals, num_users, int(clipped.sum()))

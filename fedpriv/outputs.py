@@ -32,9 +32,18 @@ OPERATOR_DOCUMENT = ("fedpriv OPERATOR REPORT: exact metrics, per-round counts, 
                      "the server is the release file next to it ({release}).")
 RELEASE_DOCUMENT = ("fedpriv RELEASE: what may leave the server (public config, privacy ledger, "
                     "released model(s), noisy private metrics); see `publishable`.")
-WITHHELD_CONFIG = frozenset({"seed", "noise-seed", "results-path", "checkpoint-path", "resume"})
-"""Config keys kept out of the release: the seeds regenerate seeded noise (and, in a synthetic
-problem, the users' data); the paths describe the operator's machine."""
+
+
+
+def public_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of a config whose declaration says they may be published (``Param.public``):
+    not the seeds (they regenerate seeded noise and, in a synthetic problem, the users' data)
+    nor the paths of the operator's machine."""
+    from fedpriv.config import CORE, algorithm_params
+
+    declared = {p.key: p for p in CORE.params}
+    declared.update(algorithm_params(config["algorithm"]))
+    return {k: v for k, v in config.items() if k in declared and declared[k].public}
 
 
 def release_path(results_path: str | os.PathLike) -> Path:
@@ -53,6 +62,10 @@ def publishable(report: Mapping[str, Any]) -> tuple[bool, str]:
         return False, ("the privacy noise is seeded (from seed / noise-seed, which the operator "
                        "report records): anyone with the seed can regenerate the noise and "
                        "subtract it. Rerun with secure-noise = true to publish")
+    if any(e.get("sampling_rate", 1.0) < 1.0 for e in privacy["ledger"]):
+        return False, ("the Poisson sample of users is drawn from the run seed (which the "
+                       "operator report records), and the accounted epsilon assumes the sample "
+                       "is secret; a release of a Poisson-sampled run is not publishable yet")
     return True, ""
 
 
@@ -65,7 +78,7 @@ def release_document(report: Mapping[str, Any]) -> dict[str, Any]:
     doc.update({
         "algorithm": report["algorithm"],
         "num_users": report["num_users"],
-        "config": {k: v for k, v in report["config"].items() if k not in WITHHELD_CONFIG},
+        "config": public_config(report["config"]),
         "privacy": report["privacy"],
         "released": report["server_state"],
         "private_metrics": {name: {k: m[k] for k in ("value", "clip", "noise_std", "users")}
@@ -100,5 +113,7 @@ def output_lines(report_path: Path, release: Path, report: Mapping[str, Any]) ->
 def _write_json(target: Path, data: Mapping[str, Any]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=float))
+    text = json.dumps(data, indent=2, default=float)
+    # the first line says what the file is: {"document": "...",
+    tmp.write_text("{" + text[1:].lstrip() if text.startswith("{\n") else text)
     os.replace(tmp, target)

@@ -32,7 +32,8 @@ class Param:
     ``check`` is a predicate on the coerced value and ``allowed`` says in words what it accepts
     (both appear in the error of a bad value). ``resumable`` marks an operational key that may
     change when an interrupted run is resumed (where results go, how the run is operated), never
-    one that changes what the run computes.
+    one that changes what the run computes. ``public = False`` keeps a key out of the release
+    of a run (``fedpriv.outputs``): seeds, paths, anything that is not for publication.
     """
 
     key: str
@@ -42,6 +43,7 @@ class Param:
     check: Callable[[Any], bool] | None = None
     allowed: str = ""
     resumable: bool = False
+    public: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in (bool, int, float, str):

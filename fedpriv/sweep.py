@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpriv.config import ConfigError, RunConfig, default_mapping, select_keys
+from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import InfeasiblePlanError
 
 METRIC = "population_mse"  # the default metric
@@ -171,7 +172,7 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
         first = {} if xs[0] is None or not reads_x else {x_key: xs[0]}
         probe = _config(where, {**values, **first, "epsilon": float(epsilons[0]),
                                 "seed": seeds[0]})
-        depends = bool(algorithm(probe).privacy_plan())
+        depends = bool(algorithm_for(probe)(probe).privacy_plan())
         for x in xs:
             at = {} if x is None or not reads_x else {x_key: x}
             where_x = where if x is None else f"{where} at {x_key}={x}"

@@ -98,3 +98,23 @@ def test_replace_one_epsilon_is_the_exact_gaussian_one_at_the_stated_sensitivity
         part = {"name": "total", "l2_sensitivity": 2.0, "noise_std": 16.0}
         reported = acc.record("r", 8.0, [part])
     assert reported == pytest.approx(analytic_gaussian_epsilon([8.0] * 4, 1e-6), rel=0.01)
+
+
+def test_a_release_with_a_fixed_multiplier_keeps_it_and_the_rest_fills_the_target():
+    from fedpriv.privacy.accounting import InfeasiblePlanError, PlannedRelease, gdp_mu
+
+    eps, delta = 1.0, 1e-6
+    z_fixed = 1.0 / (0.3 * gdp_mu(eps, delta))  # 9% of the target's mu^2
+    plan = [PlannedRelease("round", 1.0, 5), PlannedRelease("eval", 1.0, multiplier=z_fixed)]
+    zs = calibrate_gaussian_plan(plan, eps, delta)
+    assert zs[1] == z_fixed
+    # independent check: the whole plan is mu-GDP with mu^2 = 5 / z^2 + 1 / z_fixed^2
+    assert analytic_gaussian_epsilon([zs[0]] * 5 + [z_fixed], delta) == pytest.approx(eps,
+                                                                                    rel=1e-4)
+    sampled = [PlannedRelease("round", 1.0, 20, sampling_rate=0.05),
+               PlannedRelease("eval", 1.0, multiplier=z_fixed)]
+    zs = calibrate_gaussian_plan(sampled, eps, delta)
+    assert zs[1] == z_fixed and plan_epsilon(sampled, zs, delta) <= eps
+    with pytest.raises(InfeasiblePlanError, match="fixed noise .*eval.* alone spend"):
+        calibrate_gaussian_plan([PlannedRelease("round", 1.0),
+                                 PlannedRelease("eval", 1.0, multiplier=0.5)], eps, delta)

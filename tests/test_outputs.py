@@ -10,7 +10,7 @@ import pytest
 from fedpriv.algorithms.catalogue import BUILTIN
 from fedpriv.config import ConfigError, RunConfig, select_keys
 from fedpriv.engine import run_in_process
-from fedpriv.outputs import WITHHELD_CONFIG, publishable, release_document, write_outputs
+from fedpriv.outputs import public_config, publishable, release_document, write_outputs
 from tests.test_accounting import analytic_gaussian_epsilon
 
 TINY = {"num-users": 300, "rounds": 2, "epsilon": 4.0, "test-samples-per-user": 3, "dim": 6,
@@ -52,18 +52,32 @@ def _exact_statistics(report):
     return {n for n in numbers if n not in (0, 1)}
 
 
+LEDGER_KEYS = {"release", "mechanism", "noise_multiplier", "user_group", "user_groups",
+               "epsilon_spent", "l2_sensitivity", "noise_std", "parts", "sampling_rate",
+               "candidates", "score_sensitivity", "chosen", "name", "epsilon", "delta"}
+SEED, NOISE_SEED = 424242, 31337  # distinctive, so a leak is visible wherever it hides
+
+
 @pytest.mark.parametrize("name", PRIVATE)
 def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processing(name):
     extra = {} if name in ("a-exp", "jl-exp") else {"private_metrics": True}
-    report = run_in_process(tiny_config(name, **extra), log=lambda _: None)
+    report = run_in_process(tiny_config(name, seed=SEED, noise_seed=NOISE_SEED, **extra),
+                            log=lambda _: None)
     release = release_document(report)
     assert set(release) == {"document", "publishable", "not_publishable_because", "algorithm",
                             "num_users", "config", "privacy", "released", "private_metrics",
                             "steps"}
     # public config: the run's config less seeds and paths
-    assert release["config"] == {k: v for k, v in report["config"].items()
-                                 if k not in WITHHELD_CONFIG}
+    assert release["config"] == public_config(report["config"])
+    assert not {"seed", "noise-seed", "results-path", "checkpoint-path"} & set(release["config"])
     assert release["privacy"] == report["privacy"]  # the ledger and (epsilon, delta)
+    for entry in release["privacy"]["ledger"]:  # only plan-derived fields (and the chosen index)
+        parts = entry.get("parts", [entry])
+        assert set(entry) <= LEDGER_KEYS and all(set(p) <= LEDGER_KEYS for p in parts)
+        for p in parts:
+            if entry["mechanism"] == "gaussian":
+                assert p["noise_std"] == pytest.approx(p["noise_multiplier"]
+                                                       * p["l2_sensitivity"])
     assert release["released"] == report["server_state"]  # the released model(s)
     assert all(set(s) == {"step", "epsilon_spent"} for s in release["steps"])
     noisy = {k: m["value"] for k, m in report["private_metrics"].items()}
@@ -73,6 +87,10 @@ def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processi
     keys = {leaf for path, leaf in _walk(release) if "/key:" in path.rsplit("/", 1)[-1:][0]}
     assert not keys & {"seed", "noise-seed", "noise_seed", "exact_clipped", "users_clipped",
                        "users_contributing"}
+    leaves = [leaf for _, leaf in _walk(release)]
+    assert SEED not in leaves and NOISE_SEED not in leaves
+    assert not any(str(SEED) in leaf or str(NOISE_SEED) in leaf
+                   for leaf in leaves if isinstance(leaf, str))
     # config and privacy equal the operator's public entries (above); what else carries
     # numbers is the released model and the private metrics: none may be an exact statistic
     carried = [release["released"], release["private_metrics"]]
@@ -81,16 +99,26 @@ def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processi
     assert not leaked, f"exact statistics in the release: {leaked}"
 
 
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_secure_noise_release_is_publishable_unless_its_sample_comes_from_the_seed(name):
+    report = run_in_process(tiny_config(name, secure_noise=True), log=lambda _: None)
+    ok, why = publishable(report)
+    sampled = any(e.get("sampling_rate", 1.0) < 1 for e in report["privacy"]["ledger"])
+    assert ok is not sampled
+    assert ("Poisson sample" in why) is sampled
+
+
 def test_a_seeded_release_is_not_publishable_and_a_secure_noise_release_is(tmp_path):
     seeded = run_in_process(tiny_config("private-fedrep"), log=lambda _: None)
     ok, why = publishable(seeded)
     assert not ok and "seeded" in why and "secure-noise = true" in why
     report_path, release_path = write_outputs(seeded, tmp_path / "run.json")
     assert release_path.name == "run.release.json"
+    assert release_path.read_text().splitlines()[0].startswith('{"document": "fedpriv RELEASE')
+    assert report_path.read_text().splitlines()[0].startswith(
+        '{"document": "fedpriv OPERATOR REPORT')
     release = json.loads(release_path.read_text())
     assert release["publishable"] is False and "seeded" in release["not_publishable_because"]
-    assert json.loads(report_path.read_text())["document"].startswith("fedpriv OPERATOR REPORT")
-    assert release_path.read_text().splitlines()[1].startswith('  "document": "fedpriv RELEASE')
     secure = run_in_process(tiny_config("private-fedrep", secure_noise=True),
                             log=lambda _: None)
     assert publishable(secure) == (True, "")
@@ -120,11 +148,11 @@ def test_private_metrics_are_one_more_accounted_release_within_their_stated_nois
                                                                         rel=1e-3)
     # the evaluation's share: 1/z^2 of it is 20% of the total; the rest kept its proportions
     mu2 = sum(1 / z**2 for z in zs)
-    assert 1 / zs[-1] ** 2 / mu2 == pytest.approx(0.2, rel=1e-6)
+    assert 1 / zs[-1] ** 2 / mu2 == pytest.approx(0.2, rel=1e-5)
     assert report["privacy"]["noise_multipliers"]["round"] > plain["privacy"][
         "noise_multipliers"]["round"]
     m = report["private_metrics"]["test_mse"]
-    assert m["noise_std"] == pytest.approx(zs[-1] * 0.05 / 20000)
+    assert m["noise_std"] == pytest.approx(zs[-1] * 0.05 / 2 / 20000)  # centred: B/(2n)
     assert m["value"] != m["exact_clipped"]  # noise was applied
     assert abs(m["value"] - m["exact_clipped"]) < 4 * m["noise_std"]
     # the exact clipped mean is the exact test MSE where no user hit the clip
@@ -155,3 +183,38 @@ def test_the_flower_app_writes_a_publishable_release_with_private_metrics(tmp_pa
         "test_mse"]["value"]
     assert "operator report (exact, not private; do not publish)" in proc.stdout
     assert "release (what may leave the server; publishable)" in proc.stdout
+
+
+def test_a_sampled_plan_gives_the_evaluation_its_share_in_gdp_units_not_most_of_the_budget():
+    from fedpriv.privacy.accounting import gdp_mu
+
+    config = tiny_config("meta-nsgd", private_metrics=True, num_users=2000, rounds=10,
+                         epsilon=1.0, metrics_budget_fraction=0.1)
+    report = run_in_process(config, log=lambda _: None)
+    ledger = report["privacy"]["ledger"]
+    assert ledger[-1]["release"] == "evaluate" and ledger[0]["sampling_rate"] < 1
+    assert report["privacy"]["epsilon"] <= 1.0
+    z_eval = ledger[-1]["noise_multiplier"]
+    assert 1 / z_eval == pytest.approx(0.1**0.5 * gdp_mu(1.0, config.delta))
+    # alone, the evaluation spends a small part of the target; the rounds keep most of it
+    assert analytic_gaussian_epsilon([z_eval], config.delta) < 0.35
+    without = run_in_process(tiny_config("meta-nsgd", num_users=2000, rounds=10, epsilon=1.0),
+                             log=lambda _: None)
+    ratio = (report["privacy"]["noise_multipliers"]["round"]
+             / without["privacy"]["noise_multipliers"]["round"])
+    assert 1.0 < ratio < 1.5
+
+
+def test_the_private_metric_survives_failing_nodes_and_states_the_rescaled_noise():
+    config = RunConfig.from_mapping({"num-users": 20000, "dim": 10, "rounds": 2,
+                                     "private-metrics": True, "metric-clip": 0.05,
+                                     "node-fault-rate": 0.3, "users-per-node": 2000})
+    report = run_in_process(config, log=lambda _: None)
+    m = report["private_metrics"]["test_mse"]
+    evaluate = next(r for r in report["rounds"] if r["step"] == "evaluate")
+    assert evaluate["nodes_failed"] == 3
+    assert evaluate["evaluation_scale"] == pytest.approx(10 / 7)
+    ledger_std = report["privacy"]["ledger"][-1]["noise_std"]
+    assert m["noise_std"] == pytest.approx(ledger_std * 10 / 7)
+    assert abs(m["value"] - m["exact_clipped"]) < 4 * m["noise_std"]
+    assert m["exact_clipped"] == pytest.approx(report["metrics"]["test_mse"], rel=0.2)

@@ -187,6 +187,11 @@ def test_a_checkpoint_from_before_algorithm_owned_keys_still_matches():
            "plugin-config": ""}  # the old format held every family's keys
     assert changed_keys(old, wanted) == []
     assert changed_keys({**old, "feature-clip": 3.0}, wanted) == ["feature-clip"]
+    config = RunConfig.from_mapping({"algorithm": "priv-altmin"})
+    before = {k: v for k, v in wanted.items() if k != "private-metrics"}  # a key added later
+    assert changed_keys(before, wanted, config.defaults()) == []
+    assert changed_keys(before, {**wanted, "private-metrics": True}, config.defaults()) == [
+        "private-metrics"]
 
 
 class _EntryPoint:

@@ -51,6 +51,7 @@ from fedpriv.deploy.commands import (
     write_connection,
 )
 from fedpriv.deploy.compose import compose_yaml
+from fedpriv.outputs import release_path
 
 
 def _run(argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
@@ -134,7 +135,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + 30.0  # the log stream may end just before the file lands
     while time.monotonic() < deadline:
         if results.is_file() and results.stat().st_mtime >= started - 1.0:
-            print(f"fedpriv: results of this run in {results}", flush=True)
+            print(f"fedpriv: results of this run in {results} (operator report, not private) "
+                  f"and {release_path(results)} (the release)", flush=True)
             return 0
         time.sleep(0.5)
     print(f"fedpriv: the run ended but {results} was not written by it (see the SuperLink's "

@@ -44,7 +44,7 @@ NODE_PORT = 9094
 CONTAINER_CERTS = "/app/certs"
 CONTAINER_APP = "/app/project"
 CONTAINER_RESULTS = "/app/results"
-RESULTS_FILE = "fedpriv-results.json"
+RESULTS_FILE = "fedpriv-operator-report.json"
 APP_OWNER = "49999:49999"
 """uid:gid of the ``app`` user in Flower's official images (and so in deploy/Dockerfile)."""
 IMAGE = "fedpriv-deploy:latest"

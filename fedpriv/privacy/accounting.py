@@ -105,13 +105,16 @@ class PlannedRelease:
     T rounds over T disjoint groups are ``count=1``. ``sampling_rate < 1``: each release uses a
     Poisson sample of the users, each user independently with that probability (the sample is
     secret: only the noisy sum is released). ``mechanism = "exponential"``: a pure epsilon-DP
-    release (its epsilon is ``weight`` of the target, over the plan's total weight)."""
+    release (its epsilon is ``weight`` of the target, over the plan's total weight).
+    ``multiplier``: a noise multiplier fixed in advance (not calibrated; ``weight`` is then
+    unused); the others are calibrated around it."""
 
     name: str
     weight: float
     count: int = 1
     sampling_rate: float = 1.0
     mechanism: str = "gaussian"
+    multiplier: float | None = None
 
 
 # An accounted release: (noise multiplier z = std / Delta, Poisson sampling rate q) for a
@@ -238,12 +241,25 @@ def calibrate_gaussian_plan(
         raise InfeasiblePlanError(f"target must have epsilon > 0 and 0 < delta < 1, got "
                                   f"({epsilon}, {delta})")
     for r in releases:
-        if r.weight <= 0 or r.count < 1 or not 0 < r.sampling_rate <= 1:
-            raise InfeasiblePlanError(f"release {r.name!r} needs weight > 0, count >= 1 and a "
-                                      "sampling rate in (0, 1]")
+        if (r.weight <= 0 and r.multiplier is None) or r.count < 1 or not (
+                0 < r.sampling_rate <= 1) or (r.multiplier is not None and r.multiplier <= 0):
+            raise InfeasiblePlanError(f"release {r.name!r} needs weight > 0 (or a fixed "
+                                      "multiplier > 0), count >= 1 and a sampling rate in "
+                                      "(0, 1]")
+    fixed = [r for r in releases if r.multiplier is not None]
+    if fixed and plan_epsilon(fixed, [r.multiplier for r in fixed], delta, accountant,
+                              relation) >= epsilon:
+        names = ", ".join(r.name for r in fixed)
+        raise InfeasiblePlanError(f"the releases with fixed noise ({names}) alone spend the "
+                                  f"target epsilon={epsilon}")
+    if len(fixed) == len(releases):
+        return [float(r.multiplier) for r in releases]  # type: ignore[arg-type]
+    free = [r for r in releases if r.multiplier is None]
+    fixed_mu2 = sum(r.count / r.multiplier**2 for r in fixed)  # type: ignore[operator]
 
     def multipliers(scale: float) -> list[float]:
-        return [scale / math.sqrt(r.weight) for r in releases]
+        return [r.multiplier if r.multiplier is not None else scale / math.sqrt(r.weight)
+                for r in releases]
 
     def _never_overshoot(scale: float) -> list[float]:
         for _ in range(200):  # step the noise up until the accountant agrees
@@ -269,7 +285,9 @@ def calibrate_gaussian_plan(
     if not sampled and accountant == "pld":
         # Unsampled Gaussian plans are exactly mu-GDP and dp-accounting's PLD agrees with the
         # closed form to ~1e-9: solve it, then let the accountant confirm (loop below).
-        scale = math.sqrt(sum(r.count * r.weight for r in releases)) / _gdp_mu(epsilon, delta)
+        # mu_target^2 = sum_free count w / scale^2 + sum_fixed count / z^2
+        scale = math.sqrt(sum(r.count * r.weight for r in free)
+                          / (_gdp_mu(epsilon, delta) ** 2 - fixed_mu2))
         if min(multipliers(scale)) < _MIN_MULTIPLIER:
             raise InfeasiblePlanError(
                 f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
@@ -280,14 +298,14 @@ def calibrate_gaussian_plan(
     # would otherwise double mu until the PLD grid exhausts memory. At the floor, the plan
     # without sampling is exactly mu-GDP (sampling only lowers epsilon): if even that stays
     # below the target, no multiplier above the floor can reach it.
-    floor_mu = math.sqrt(sum(r.count * r.weight for r in releases)) / (
-        _MIN_MULTIPLIER * math.sqrt(max(r.weight for r in releases)))
+    floor_mu = math.sqrt(sum(r.count * r.weight for r in free) / (
+        _MIN_MULTIPLIER**2 * max(r.weight for r in free)) + fixed_mu2)
     if _gdp_epsilon(floor_mu, delta) < epsilon:
         raise InfeasiblePlanError(
             f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
             f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
-    mu_max = 1.0 / (_MIN_MULTIPLIER * math.sqrt(max(r.weight for r in releases)))
-    lo, hi = _MU_FLOOR, min(0.5 / math.sqrt(sum(r.count * r.weight for r in releases)), mu_max)
+    mu_max = 1.0 / (_MIN_MULTIPLIER * math.sqrt(max(r.weight for r in free)))
+    lo, hi = _MU_FLOOR, min(0.5 / math.sqrt(sum(r.count * r.weight for r in free)), mu_max)
     for _ in range(_MAX_DOUBLINGS):
         if spent(hi) >= epsilon:
             break
@@ -315,6 +333,11 @@ def calibrate_gaussian_plan(
             f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases"
         ) from err
     return _never_overshoot(1.0 / mu)
+
+
+def gdp_mu(epsilon: float, delta: float) -> float:
+    """The mu at which a mu-GDP mechanism is exactly (epsilon, delta)-DP (Dong, Roth & Su)."""
+    return _gdp_mu(epsilon, delta)
 
 
 def _gdp_delta(mu: float, eps: float) -> float:

@@ -173,8 +173,14 @@ class PrivateServer:
         scale = self.release.rescale(step, answered, self._hosted, self.expected_users(step))
         means = {part.name: self.replies.bounded_sum(part, accepted) / population
                  for part in step.parts}
-        exact = ({f"exact_private_{k}": float(v.reshape(-1)[0]) for k, v in means.items()}
-                 if step.kind == EVALUATE else {})  # operator report only, never released
+        exact: dict[str, Any] = {}
+        if step.kind == EVALUATE:  # operator report only, never released
+            # the same rescale as the noisy means, and the centring B/2 (part.clip_norm) back
+            exact = {f"exact_private_{p.name}": float(means[p.name].reshape(-1)[0]) * scale
+                     + p.clip_norm for p in step.parts}
+            exact["evaluation_scale"] = scale
+            if not accepted:
+                exact["error"] = "no node answered the evaluation: its release is noise alone"
         return {**exact, **self.release.gaussian(step, means, population, scale)}
 
     # ----- checkpoints and results -----------------------------------------------------------
@@ -186,7 +192,8 @@ class PrivateServer:
                 "rounds": self.rounds, "metrics": self.metrics}
 
     def _restore(self) -> None:
-        state = self.store.load(self.config.to_mapping(), self.multipliers, self.pure_epsilons)
+        state = self.store.load(self.config.to_mapping(), self.multipliers, self.pure_epsilons,
+                                self.config.defaults())
         self.algorithm.__dict__.update(state["algorithm"])
         self.release.load_state(state)
         self.replies.load_state(state)
@@ -216,15 +223,16 @@ class PrivateServer:
         """The evaluation release (``private-metrics``): each metric's noisy mean (released),
         its exact clipped mean (operator only), clip and noise std."""
         noisy = getattr(self.algorithm, "private_metrics", None)
-        if not noisy:
-            return {}
-        report = next(r for r in self.rounds if r["step"] == EVALUATE)
+        report = next((r for r in self.rounds if r["step"] == EVALUATE), None)
+        if not noisy or report is None or "error" in report:
+            return {}  # off, not reached, or nobody answered (then the release is pure noise)
         entry = next(e for e in self.accountant.ledger if e["release"] == EVALUATE)
         stds = ({p["name"]: p["noise_std"] for p in entry["parts"]} if "parts" in entry
                 else dict.fromkeys(noisy, entry["noise_std"]))
         bounds = self.algorithm.evaluation_bounds(self.config)
+        scale = report["evaluation_scale"]  # public: users hosted / users that answered
         return {name: {"value": value, "exact_clipped": report[f"exact_private_{name}"],
-                       "clip": bounds[name], "noise_std": stds[name],
+                       "clip": bounds[name], "noise_std": stds[name] * scale,
                        "users": self.config.num_users} for name, value in noisy.items()}
 
 

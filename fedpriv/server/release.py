@@ -30,6 +30,7 @@ import numpy as np
 
 from fedpriv.algorithms.base import Step
 from fedpriv.config import RunConfig
+from fedpriv.evaluation import EVALUATE
 from fedpriv.privacy.accounting import (
     Accountant,
     InfeasiblePlanError,
@@ -222,9 +223,10 @@ class Releaser:
         rescaled): by the users taking part (``participating``, a public rule), or for a
         Poisson-sampled step by the users the nodes host (``hosted``; the sample itself must
         stay secret). Applied after the noise, it keeps a step's size from shrinking with the
-        share of nodes that failed."""
-        if step.release is None or not (self.config.rescale_missing_nodes
-                                        and self.algorithm.rescale_for_missing_nodes):
+        share of nodes that failed. The private evaluation is always rescaled (a mean that
+        shrank with the failed nodes would publish a wrong utility figure)."""
+        opted_in = self.algorithm.rescale_for_missing_nodes or step.kind == EVALUATE
+        if step.release is None or not (self.config.rescale_missing_nodes and opted_in):
             return 1.0
         counts = hosted if self.algorithm.charge(step)[1] < 1.0 else participating
         return missing_node_scale(counts, answered)

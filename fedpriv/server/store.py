@@ -29,14 +29,17 @@ def algorithm_state(algorithm: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(algorithm).items() if k != "config" and k not in cached}
 
 
-def changed_keys(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+def changed_keys(stored: Mapping[str, Any], wanted: Mapping[str, Any],
+                 defaults: Mapping[str, Any] | None = None) -> list[str]:
     """Keys of this run's config (the core keys and the algorithm's own) whose value differs in
     the checkpoint, less those a resume may change. Keys the algorithm does not read cannot
     change what it computes (a checkpoint written before keys became algorithm-owned holds
-    every family's keys), and ``plugin-config`` only carries keys that are compared one by one."""
+    every family's keys), and ``plugin-config`` only carries keys that are compared one by one.
+    A key the checkpoint lacks (it was added later) counts as its default (``defaults``)."""
+    defaults = defaults or {}
     return sorted(k for k in wanted
                   if k not in resumable_keys() and k != PLUGIN_CONFIG
-                  and stored.get(k) != wanted.get(k))
+                  and stored.get(k, defaults.get(k)) != wanted.get(k))
 
 
 class CheckpointStore:
@@ -58,14 +61,15 @@ class CheckpointStore:
                 "same seeded noise, two releases of different sums would cancel it)")
 
     def load(self, config: Mapping[str, Any], multipliers: Mapping[str, float],
-             pure_epsilons: Mapping[str, float]) -> dict[str, Any]:
+             pure_epsilons: Mapping[str, float],
+             defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The checkpoint's state, if it belongs to the run with this config mapping and this
         calibrated plan; raises ``CheckpointError`` otherwise."""
         if self.path is None:
             raise CheckpointError("resume = true needs a checkpoint path")
         state = checkpoint.load(self.path)
         stored = state["config"]
-        changed = changed_keys(stored, config)
+        changed = changed_keys(stored, config, defaults)
         if changed:
             raise CheckpointError(
                 f"checkpoint {self.path} belongs to another run; these keys differ: "

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.data.meta import MetaProblem, generate_tasks
+from fedpriv.data.meta import MetaProblem, cluster_centers, generate_tasks
 
 
 def meta_problem_of(config: Any) -> MetaProblem:
@@ -82,8 +82,20 @@ def fresh_task_values(config: Any, models: np.ndarray,
 
 def evaluation_bounds(config: Any) -> dict[str, float]:
     """Private metrics of meta-learning: each fresh task's transfer risk clipped to
-    ``[0, metric-clip]``, and its 0-1 error in [0, 1] (logistic tasks)."""
-    bounds = {"transfer_risk": config.metric_clip}
+    ``[0, metric-clip]`` (0: twice the squared-loss risk of h = 0 on the farthest cluster
+    center, or 2 for the logistic loss, from public parameters), and its 0-1 error in [0, 1]
+    (logistic tasks)."""
+    clip = config.metric_clip
+    if not clip:  # twice the risk of h = 0 on the farthest cluster (public parameters only)
+        if config.task_loss == "logistic":
+            clip = 2.0
+        else:
+            problem = meta_problem_of(config)
+            far = float(np.max(np.sum(cluster_centers(problem) ** 2, axis=1)))
+            second_moment = far + config.dim * config.task_std**2
+            clip = 2.0 * (config.label_noise**2 + problem.feature_covariance_scale
+                          * second_moment)
+    bounds = {"transfer_risk": clip}
     if config.task_loss == "logistic":
         bounds["transfer_error"] = 1.0
     return bounds

@@ -64,8 +64,9 @@ def user_test_mse(problem: SyntheticProblem, user_ids: np.ndarray, models: np.nd
 
 def evaluation_bounds(config: Any) -> dict[str, float]:
     """Private metrics of the personalization family: each user's test MSE, clipped to
-    ``[0, metric-clip]`` (see ``fedpriv.evaluation``)."""
-    return {"test_mse": config.metric_clip}
+    ``[0, metric-clip]`` (see ``fedpriv.evaluation``). ``metric-clip = 0``: twice the test MSE
+    of the zero model, ``2 (R^2 + k)`` (``E ||w*_i||^2 = k``), from public parameters only."""
+    return {"test_mse": config.metric_clip or 2.0 * (config.label_noise**2 + config.rank)}
 
 
 def local_models(problem: SyntheticProblem, user_ids: np.ndarray) -> np.ndarray:
