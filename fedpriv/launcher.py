@@ -80,6 +80,9 @@ def stop_local_superlink(port: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+NO_RUNTIME_INSTALL = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
+
+
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
                quiet: bool = False, ray_address: str | None = None) -> int:
     """Run through Flower's simulation engine. ``ray_address``: attach the simulation to that
@@ -87,14 +90,16 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
     starts and by its simulation process) instead of starting a Ray instance of its own."""
     port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
     started_here = not _port_open(port)
-    env = None
+    # run the app from the environment fedpriv is installed in: no per-run dependency
+    # installation (uv sync) by the SuperLink that `flwr run` starts, unless asked for
+    env = {**os.environ, NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}
     if ray_address:
         if not started_here:
             print(f"fedpriv: --ray-address needs a fresh local SuperLink, but one is already "
                   f"listening on 127.0.0.1:{port} (it would keep its own Ray instance); stop "
                   "it first", file=sys.stderr)
             return 2
-        env = {**os.environ, "RAY_ADDRESS": ray_address}
+        env["RAY_ADDRESS"] = ray_address
     nodes = auto_num_nodes(config.num_users, config.users_per_node)
     with tempfile.TemporaryDirectory() as tmp:
         run_config = Path(tmp) / "run-config.toml"

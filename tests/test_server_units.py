@@ -301,7 +301,7 @@ def test_the_results_dict_is_built_from_its_inputs():
         server_state={"embedding": [1.0]}, wall_time_s=4.0)
 
     assert list(results) == ["algorithm", "num_users", "runtime", "num_nodes", "config",
-                             "privacy", "metrics", "rounds", "rejections",
+                             "privacy", "metrics", "private_metrics", "rounds", "rejections",
                              "norm_bounded_nodes", "node_faults", "resumed_from_step",
                              "server_state", "wall_time_s"]
     assert results["privacy"]["epsilon"] == 1.5 and results["privacy"]["ledger"] is ledger
