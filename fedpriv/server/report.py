@@ -118,6 +118,10 @@ def summary_lines(results: Mapping[str, Any]) -> list[str]:
         privacy_line(p),
         f"  wall time {results['wall_time_s']:.1f}s",
     ]
+    for name, m in results.get("private_metrics", {}).items():
+        lines.append(f"  private {name} (released): {m['value']:.4g} (noise std "
+                     f"{m['noise_std']:.2g}; exact clipped {m['exact_clipped']:.4g}, operator "
+                     "only)")
     if results["rejections"]:
         lines.append(f"  rejected node replies: {results['rejections']}")
     return lines

@@ -34,14 +34,22 @@ def paper_tasks_per_round(config: Any) -> int:
     return int(min(config.num_users, max(1, round(m))))
 
 
-def evaluate_fresh(config: Any, models: np.ndarray, task_ids: np.ndarray) -> dict[str, float]:
-    """Metric sums over the fresh tasks with these ids (see the module docstring)."""
+def _fresh_fit(config: Any, models: np.ndarray, task_ids: np.ndarray):
+    """The fresh tasks with these ids (training and test points) and their models fitted from
+    the meta-model(s): (problem, train, test, chosen meta-model, fit)."""
     problem = meta_problem_of(config)
-    lam, acc, loss = config.meta_lambda, config.base_accuracy, config.task_loss
     train = generate_tasks(problem, task_ids, fresh=True)
     test = generate_tasks(problem, task_ids, fresh=True,
                           test_samples=config.test_samples_per_user)
-    choice, fitted = ml.select_and_fit(train.features, train.labels, models, lam, loss, acc)
+    choice, fitted = ml.select_and_fit(train.features, train.labels, models, config.meta_lambda,
+                                       config.task_loss, config.base_accuracy)
+    return problem, train, test, choice, fitted
+
+
+def evaluate_fresh(config: Any, models: np.ndarray, task_ids: np.ndarray) -> dict[str, float]:
+    """Metric sums over the fresh tasks with these ids (see the module docstring)."""
+    lam, acc, loss = config.meta_lambda, config.base_accuracy, config.task_loss
+    problem, train, test, choice, fitted = _fresh_fit(config, models, task_ids)
     local = ml.fit(train.features, train.labels, np.zeros(problem.dim), lam, loss, acc)
     sums = {
         "risk": float(ml.task_losses(test.features, test.labels, fitted.models, loss).sum()),
@@ -68,12 +76,8 @@ def fresh_task_values(config: Any, models: np.ndarray,
                       task_ids: np.ndarray) -> dict[str, np.ndarray]:
     """Each fresh task's transfer risk (test loss of the model fitted from the meta-model(s))
     and, for logistic tasks, its 0-1 error: the per-task values of ``evaluate_fresh``."""
-    problem = meta_problem_of(config)
-    lam, acc, loss = config.meta_lambda, config.base_accuracy, config.task_loss
-    train = generate_tasks(problem, task_ids, fresh=True)
-    test = generate_tasks(problem, task_ids, fresh=True,
-                          test_samples=config.test_samples_per_user)
-    _, fitted = ml.select_and_fit(train.features, train.labels, models, lam, loss, acc)
+    loss = config.task_loss
+    _, _, test, _, fitted = _fresh_fit(config, models, task_ids)
     values = {"transfer_risk": ml.task_losses(test.features, test.labels, fitted.models, loss)}
     if loss == "logistic":
         values["transfer_error"] = ml.task_errors(test.features, test.labels, fitted.models)
