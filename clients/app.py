@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step
-from fedpriv.cohorts import partition_users
+from fedpriv.cohorts import node_step, partition_users
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import algorithm_for
 from fedpriv.faults import corrupted, failing_partitions
@@ -57,10 +57,10 @@ def _answer(msg: Message, context: Context) -> Message:
     if faulty and config.node_fault_kind == "timeout":
         time.sleep(config.node_timeout + 2.0)  # answer only after the server stopped waiting
     algorithm = algorithm_for(config)
-    users = algorithm.participants(config, step, partition_users(config.num_users, pid, parts))
     arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
         msg.content) else {}
-    contrib = algorithm.user_step(config, step, arrays, users)
+    contrib = node_step(algorithm, config, step, arrays,
+                        partition_users(config.num_users, pid, parts))
     if faulty and config.node_fault_kind == "corrupt":
         contrib = corrupted(contrib)
     metrics = {P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
