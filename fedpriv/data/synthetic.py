@@ -104,15 +104,28 @@ def _true_local_vector(problem: SyntheticProblem, user_id: int) -> np.ndarray:
     return _rng(problem.seed, _STREAM_TRUTH, 1, int(user_id)).standard_normal(problem.rank)
 
 
-@lru_cache(maxsize=4)
-def _true_local_vectors(problem: SyntheticProblem) -> np.ndarray:
-    """``v*_i`` of every user, (n, k): drawn once per process (n k floats), then looked up by
-    each generation of a user's training or test data."""
-    vectors = np.empty((problem.num_users, problem.rank))
-    for uid in range(problem.num_users):
-        vectors[uid] = _true_local_vector(problem, uid)
+_V_BLOCK = 4096  # users per block of cached v*
+
+
+@lru_cache(maxsize=1024)
+def _local_vector_block(problem: SyntheticProblem, first: int) -> np.ndarray:
+    """``v*_i`` of the users ``first .. first + _V_BLOCK - 1``, drawn once per process."""
+    last = min(first + _V_BLOCK, problem.num_users)
+    vectors = np.array([_true_local_vector(problem, uid) for uid in range(first, last)])
     vectors.setflags(write=False)
     return vectors
+
+
+def _true_local_vectors(problem: SyntheticProblem, user_ids: np.ndarray) -> np.ndarray:
+    """``v*_i`` of the given users, (n, k), from the per-process block cache (each user's v* is
+    drawn once, not at every generation of its training or test data)."""
+    out = np.empty((len(user_ids), problem.rank))
+    blocks = user_ids // _V_BLOCK
+    for b in np.unique(blocks):
+        rows = blocks == b
+        out[rows] = _local_vector_block(problem, int(b) * _V_BLOCK)[user_ids[rows]
+                                                                   - int(b) * _V_BLOCK]
+    return out
 
 
 def generate_users(
@@ -142,7 +155,7 @@ def generate_users(
         rng = _rng(problem.seed, stream, int(uid))
         features[row] = _draw_features(rng, family, (m, d))
         noise[row] = rng.standard_normal(m) * problem.label_noise
-    local_vectors = (_true_local_vectors(problem)[user_ids] if n else np.empty((0, k)))
+    local_vectors = _true_local_vectors(problem, user_ids)
     w_star = local_vectors @ u_star.T  # (n, d)
     labels = np.einsum("nmd,nd->nm", features, w_star) + noise
     return UserData(user_ids, features, labels, local_vectors)
