@@ -143,7 +143,7 @@ def generate_users(
     if user_ids.size and (user_ids.min() < 0 or user_ids.max() >= problem.num_users):
         raise ValueError(f"user ids must lie in [0, {problem.num_users}), got {user_ids}")
     m = problem.samples_per_user if samples is None else int(samples)
-    n, d, k = user_ids.shape[0], problem.dim, problem.rank
+    n, d = user_ids.shape[0], problem.dim
     u_star = ground_truth_embedding(problem)
     features = np.empty((n, m, d))
     noise = np.empty((n, m))
