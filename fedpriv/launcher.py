@@ -83,13 +83,83 @@ def stop_local_superlink(port: int) -> None:
 NO_RUNTIME_INSTALL = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
 
 
+def _superlink_port() -> int:
+    return int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FlowerSession:
+    """One local SuperLink and one Ray head shared by several Flower runs (a sweep), so that
+    start-up is paid once: a context manager that stops both on exit, Ctrl-C and errors
+    included. A SuperLink that was already running when the session began is used as it is
+    (with its own Ray instances) and left running."""
+
+    def __init__(self, num_cpus: int | None = None) -> None:
+        self.num_cpus = num_cpus or os.cpu_count() or 1
+        self.ray_address: str | None = None
+        self._head: subprocess.Popen | None = None
+        self._tmp: str | None = None
+        self._stop_superlink = False
+
+    def __enter__(self) -> FlowerSession:
+        if _port_open(_superlink_port()):
+            return self  # someone else's SuperLink: use it, never stop it
+        self._stop_superlink = True
+        self._tmp = tempfile.mkdtemp(prefix="fpray", dir="/tmp")  # Ray's socket paths: short
+        port = _free_port()
+        log = open(os.path.join(self._tmp, "head.log"), "w")  # noqa: SIM115 -- kept open
+        self._head = subprocess.Popen(
+            ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+             f"--port={port}", f"--num-cpus={self.num_cpus}", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={self._tmp}",
+             f"--ray-client-server-port={_free_port()}",
+             f"--dashboard-agent-listen-port={_free_port()}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            text = Path(self._tmp, "head.log").read_text(errors="replace")
+            if "Ray runtime started" in text:
+                self.ray_address = f"127.0.0.1:{port}"
+                return self
+            if self._head.poll() is not None:
+                break
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError("the sweep's Ray head did not start; see "
+                           f"{self._tmp}/head.log")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stop_superlink:
+            stop_local_superlink(_superlink_port())
+        if self._head is not None and self._head.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self._head.pid, sig)
+                    self._head.wait(timeout=30)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        self._head = None
+
+
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
-               quiet: bool = False, ray_address: str | None = None) -> int:
+               quiet: bool = False, ray_address: str | None = None,
+               session: FlowerSession | None = None) -> int:
     """Run through Flower's simulation engine. ``ray_address``: attach the simulation to that
     existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink that ``flwr run``
-    starts and by its simulation process) instead of starting a Ray instance of its own."""
-    port = int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
+    starts and by its simulation process) instead of starting a Ray instance of its own.
+    ``session``: one of several runs sharing the session's SuperLink and Ray head."""
+    port = _superlink_port()
     started_here = not _port_open(port)
+    if session is not None:
+        keep_superlink = True
+        ray_address = session.ray_address if started_here else None  # it already has it
     # run the app from the environment fedpriv is installed in: no per-run dependency
     # installation (uv sync) by the SuperLink that `flwr run` starts, unless asked for
     env = {**os.environ, NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}

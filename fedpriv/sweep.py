@@ -272,11 +272,12 @@ def _run_one(values: dict[str, Any], path: str) -> dict:
     return results
 
 
-def _run_flower(values: dict[str, Any], path: str) -> dict:
+def _run_flower(values: dict[str, Any], path: str, session: Any = None) -> dict:
     from fedpriv.launcher import run_flower
 
     config = RunConfig.from_mapping(values)
-    if run_flower(config, values, Path(path), keep_superlink=False, quiet=True) != 0:
+    if run_flower(config, values, Path(path), keep_superlink=False, quiet=True,
+                  session=session) != 0:
         raise RuntimeError(f"the Flower run for {path} failed")
     return json.loads(Path(path).read_text())
 
@@ -332,10 +333,14 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
             f"seed={run.seed}  {spec.metric} {shown}  ({res['wall_time_s']:.1f}s; elapsed "
             f"{_clock(elapsed)}, ETA {_clock(eta)})")
 
-    if engine == "flower":
-        for run, path in todo:
-            results[run] = _run_flower(run.values, str(path))
-            report(run, results[run])
+    if engine == "flower" and todo:
+        from fedpriv.launcher import FlowerSession
+
+        # one SuperLink and one Ray head for every run, stopped at the end (errors included)
+        with FlowerSession() as session:
+            for run, path in todo:
+                results[run] = _run_flower(run.values, str(path), session)
+                report(run, results[run])
     elif jobs <= 1 or len(todo) <= 1:
         for run, path in todo:
             results[run] = _run_one(run.values, str(path))

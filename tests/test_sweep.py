@@ -133,3 +133,65 @@ def test_an_x_key_that_a_reference_series_does_not_read_gives_it_a_flat_line(tmp
     assert sorted(r.values["clip-norm"] for r in fedrep) == [0.25, 1.0]
     assert [r.x for r in local] == [0.25, 1.0] and all("clip-norm" not in r.values
                                                        for r in local)
+
+
+FLOWER_SWEEP = """
+[sweep]
+name = "flower"
+epsilons = [2, 8]
+seeds = [0]
+
+[base]
+num-users = 300
+dim = 8
+rounds = 1
+
+[[series]]
+algorithm = "private-fedrep"
+
+[[series]]
+algorithm = "local-only"
+"""
+
+
+def _ray_sessions(root) -> list:
+    from pathlib import Path
+
+    return list(Path(root).rglob("session_2*"))
+
+
+@pytest.mark.integration
+def test_a_flower_sweep_shares_one_superlink_and_one_ray_head_and_stops_them(
+        tmp_path, flower_env, monkeypatch):
+    from fedpriv import launcher, sweep
+
+    for key, value in flower_env.items():
+        monkeypatch.setenv(key, value)
+    port = int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
+    heads = []
+    real_enter = launcher.FlowerSession.__enter__
+
+    def enter(self):
+        heads.append(real_enter(self))
+        return heads[-1]
+
+    monkeypatch.setattr(launcher.FlowerSession, "__enter__", enter)
+    spec = load_sweep(write(tmp_path, FLOWER_SWEEP))
+    rows = run_sweep(spec, tmp_path / "out", engine="flower", log=lambda _: None)
+    assert [r["series"] for r in rows] == ["private-fedrep", "private-fedrep", "local-only"]
+    (session,) = heads
+    # every simulation ran on the session's Ray head: none started a Ray instance of its own
+    assert len(_ray_sessions(session._tmp)) == 1
+    assert not _ray_sessions(flower_env["RAY_TMPDIR"])
+    # ... and both are stopped at the end
+    assert session._head is None and not launcher._port_open(port)
+
+    # an error in the middle of a sweep stops them too
+    def boom(values, path, session=None):
+        raise RuntimeError("a run failed")
+
+    monkeypatch.setattr(sweep, "_run_flower", boom)
+    with pytest.raises(RuntimeError, match="a run failed"):
+        run_sweep(load_sweep(write(tmp_path, FLOWER_SWEEP.replace('"flower"', '"again"'))),
+                  tmp_path / "again", engine="flower", log=lambda _: None)
+    assert heads[-1]._head is None and not launcher._port_open(port)
