@@ -9,6 +9,7 @@ imports it; the commands above it (``fedpriv.cli``, ``fedpriv.sweep``) share it 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,6 +107,11 @@ class FlowerSession:
         self._tmp: str | None = None
         self._stop_superlink = False
 
+    @property
+    def workdir(self) -> str | None:
+        """Where the session's SuperLink starts (it outlives each run's own temp folder)."""
+        return self._tmp
+
     def __enter__(self) -> FlowerSession:
         if _port_open(_superlink_port()):
             return self  # someone else's SuperLink: use it, never stop it
@@ -137,7 +143,7 @@ class FlowerSession:
     def __exit__(self, *exc: object) -> None:
         if self._stop_superlink:
             stop_local_superlink(_superlink_port())
-        if self._head is not None and self._head.poll() is None:
+        if self._head is not None and self._head.poll() is None:  # the Ray head's group
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(self._head.pid, sig)
@@ -146,6 +152,9 @@ class FlowerSession:
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue
         self._head = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # the head's logs and sockets
+            self._tmp = None
 
 
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
@@ -191,7 +200,9 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
             print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
                   f"({config.num_users} users)", flush=True)
         try:
-            proc = subprocess.run(cmd, cwd=tmp, check=False, env=env,
+            # a SuperLink that outlives this run must not start in this run's temp folder
+            workdir = session.workdir if session is not None and session.workdir else tmp
+            proc = subprocess.run(cmd, cwd=workdir, check=False, env=env,
                                   stdout=subprocess.DEVNULL if quiet else None,
                                   stderr=subprocess.DEVNULL if quiet else None)
         finally:
