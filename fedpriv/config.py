@@ -25,6 +25,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Any
 
 from fedpriv.faults import FAULT_KINDS
@@ -268,14 +269,13 @@ def _check_unknown(algorithm: str, own: Mapping[str, Param], values: Mapping[str
     unknown = sorted(set(values) - known)
     if not unknown:
         return
+    others = declared_keys()
     if strict:
-        others = _declared_elsewhere()
-        hints = [f"{k} is read by {_few(others[k])}" for k in unknown if k in others]
+        hints = [f"{k} is read by {_few(others[k][1])}" for k in unknown if k in others]
         raise ConfigError(f"unknown key(s) {unknown} for algorithm {algorithm!r}; {listing}"
                           + (f" ({'; '.join(hints)})" if hints else ""))
-    params = _declared_params()
     for key in unknown:
-        param = params.get(key)
+        param = others[key][0] if key in others else None
         if param is not None and param.parse(values[key]) != param.default:
             raise ConfigError(f"{key}: not a key of algorithm {algorithm!r}, so the value "
                               f"{values[key]!r} would do nothing; {listing}")
@@ -285,22 +285,21 @@ def _few(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _declared_elsewhere() -> dict[str, list[str]]:
-    """Every key some registered algorithm declares, with the algorithms that declare it."""
-    from fedpriv.registry import available, get_algorithm
+def declared_keys() -> dict[str, tuple[Param, list[str]]]:
+    """Every key some registered algorithm declares: its declaration (one per key: the registry
+    enforces it) and the algorithms that read it. Cached per registry state, because a Flower
+    node parses the run-config on every message."""
+    from fedpriv.registry import available
 
-    readers: dict[str, list[str]] = {}
-    for name in available():
-        for key in get_algorithm(name).declared_params():
-            readers.setdefault(key, []).append(name)
-    return readers
+    return _declared_keys(tuple(available()))
 
 
-def _declared_params() -> dict[str, Param]:
-    """Every registered declaration (one ``Param`` per key: the registry enforces it)."""
-    from fedpriv.registry import available, get_algorithm
+@lru_cache(maxsize=4)
+def _declared_keys(names: tuple[str, ...]) -> dict[str, tuple[Param, list[str]]]:
+    from fedpriv.registry import get_algorithm
 
-    merged: dict[str, Param] = {}
-    for name in available():
-        merged.update(get_algorithm(name).declared_params())
-    return merged
+    keys: dict[str, tuple[Param, list[str]]] = {}
+    for name in names:
+        for key, param in get_algorithm(name).declared_params().items():
+            keys.setdefault(key, (param, []))[1].append(name)
+    return keys

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config import ConfigError, RunConfig, default_mapping, select_keys
+from fedpriv.config import ConfigError, RunConfig, declared_keys, default_mapping, select_keys
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import InfeasiblePlanError
 
@@ -215,7 +215,7 @@ def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
             raise ConfigError("[sweep] x-values: only with x set to a run-config key (the "
                               "epsilon values are [sweep] epsilons)")
         return "epsilon", []
-    if not isinstance(x_key, str) or x_key not in _any_algorithm_keys():
+    if not isinstance(x_key, str) or x_key not in {**default_mapping(), **declared_keys()}:
         raise ConfigError(f"[sweep] x: {x_key!r} is not a run-config key")
     if x_key in _SET_BY_SWEEP:
         raise ConfigError(f"[sweep] x: {x_key} cannot be the x axis")
@@ -226,15 +226,6 @@ def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
     if len(set(x_values)) != len(x_values):
         raise ConfigError("[sweep] x-values: duplicate values")
     return x_key, sorted(x_values)
-
-
-def _any_algorithm_keys() -> set[str]:
-    from fedpriv.registry import available, get_algorithm
-
-    keys = set(default_mapping())
-    for name in available():
-        keys |= set(get_algorithm(name).declared_params())
-    return keys
 
 
 def _check_base_keys(base: dict[str, Any], algorithms: list[Any]) -> None:
