@@ -3,6 +3,7 @@
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
                 [--resume] [--ray-address HOST:PORT]
     fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
+    fedpriv tune CONFIG.toml [--set key=value ...] [--out DIR] [--engine inprocess|flower]
     fedpriv audit [CONFIG.toml] [--set key=value ...] [--trials N] [--alpha A] [--noise-scale S]
     fedpriv algorithms [NAME] [--verbose | --markdown | --flwr-config]
     fedpriv deploy certs|compose|commands|health|register|submit|setup ...
@@ -100,6 +101,37 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fedpriv.privacy.accounting import InfeasiblePlanError
+    from fedpriv.tuning.run import run_tuning, table_lines
+    from fedpriv.tuning.spec import load_tune
+
+    try:
+        print(f"fedpriv tune: validating {args.config} (every point of the space; the budget "
+              "calibrated)", flush=True)
+        spec = load_tune(args.config, args.set or [])
+        out = Path(args.out or Path("results") / "tune" / spec.name).expanduser().resolve()
+        report = run_tuning(spec, out, engine=args.engine,
+                            log=lambda line: print(line, flush=True))
+    except (ConfigError, InfeasiblePlanError) as err:
+        print(f"fedpriv: invalid tuning: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(table_lines(report, spec.score, spec.maximize)))
+    t = report["tuning"]
+    print(f"fedpriv tune {spec.name}: {report['candidates_run']} candidates; the whole tuning "
+          f"spent (epsilon {t['epsilon']:.4g}, delta {t['delta']:g}); each candidate "
+          f"(epsilon {t['candidate_epsilon']:.4g})")
+    winner = report["winner"]
+    if winner is None:
+        print("fedpriv tune: no candidate ran (K = 0); nothing is released")
+        return 0
+    print(f"fedpriv tune: selected candidate {winner['candidate']}: {winner['point']}")
+    print(f"fedpriv: operator report {out / 'tuning-report.json'} (NOT private: every "
+          f"candidate); winner {winner['report']}; release {winner['release']}")
+    print(f"fedpriv: rerun the winner with: {winner['rerun']}")
+    return 0
+
+
 def cmd_algorithms(args: argparse.Namespace) -> int:
     from fedpriv import keys
 
@@ -176,6 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "start-up cost; flower: every run through the simulation engine")
     sw.add_argument("--plot", metavar="PNG", help="also copy the figure to this path")
     sw.set_defaults(func=cmd_sweep)
+    tu = sub.add_parser("tune", help="private hyperparameter selection, its cost counted in "
+                        "epsilon (Papernot & Steinke random stopping, or composed)")
+    tu.add_argument("config", help="run-config TOML with a [tune] table (see configs/tune_*)")
+    tu.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a base key, or a [tune] key as tune.KEY=VALUE")
+    tu.add_argument("--out", help="output folder (default: results/tune/<name>)")
+    tu.add_argument("--engine", choices=("inprocess", "flower"), default="inprocess",
+                    help="inprocess (default) or flower (one SuperLink and Ray instance for "
+                         "every candidate)")
+    tu.set_defaults(func=cmd_tune)
     au = sub.add_parser("audit", help="empirical lower bound on the epsilon of one release")
     au.add_argument("config", nargs="?", help="run-config TOML (flat kebab-case keys)")
     au.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")

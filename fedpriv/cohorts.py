@@ -125,6 +125,7 @@ CACHE = BlockCache(int(float(os.environ.get(CACHE_MB_ENV, "2048")) * 2**20))
 def cohort_data(
     problem: SyntheticProblem, user_ids: np.ndarray, samples: int | None = None,
     fresh: bool = False,
+    purpose: str | None = None,
 ) -> UserData:
     """Data of the given users, regenerated once per process per block and cached.
 
@@ -132,15 +133,17 @@ def cohort_data(
     subset of it (a user group, a Poisson sample) are served from the same cached blocks.
     """
     ids = np.asarray(user_ids, dtype=np.int64)
+    purpose = purpose or ("test" if fresh else "train")
     if not ids.size:
-        return generate_users(problem, ids, samples=samples, fresh=fresh)
+        return generate_users(problem, ids, samples=samples, purpose=purpose)
     m = problem.samples_per_user if samples is None else samples
     size = block_users()
     pieces = []
     for first in range(int(ids.min()) // size * size, int(ids.max()) + 1, size):
         last = min(first + size, problem.num_users)
-        block = CACHE.get((problem, first, last, m, fresh), lambda f=first, la=last:
-                          generate_users(problem, np.arange(f, la), samples=m, fresh=fresh))
+        block = CACHE.get((problem, first, last, m, purpose), lambda f=first, la=last:
+                          generate_users(problem, np.arange(f, la), samples=m,
+                                         purpose=purpose))
         pieces.append(block)
     if len(pieces) == 1:
         block = pieces[0]

@@ -45,6 +45,7 @@ __all__ = ["CORE", "ConfigError", "RunConfig", "algorithm_params", "default_mapp
            "resumable_keys", "select_keys"]
 
 PLUGIN_CONFIG = "plugin-config"
+METRICS_SPLITS = ("test", "validation")
 
 CORE = ParamGroup("every run", (
     Param("algorithm", str, "private-fedrep", "registered algorithm name (`fedpriv algorithms` "
@@ -100,6 +101,9 @@ CORE = ParamGroup("every run", (
           "(add-remove) or metric-clip / n (replace-one)", non_negative, "a number >= 0"),
     Param("metrics-budget-fraction", float, 0.1, "private metrics: share of the privacy budget "
           "(1/z^2 units) spent on the evaluation release", unit_open, "a number in (0, 1)"),
+    Param("metrics-split", str, "test", "private metrics: evaluate each user's `test` points "
+          "(the reported utility) or its held-back `validation` points (what `fedpriv tune` "
+          "selects on)", *one_of(METRICS_SPLITS)),
     Param(PLUGIN_CONFIG, str, "", "keys of a plug-in algorithm that the Flower app's "
           "`[tool.flwr.app.config]` does not list, as a TOML inline table (`fedpriv run` fills "
           "it); checked strictly", resumable=False),
@@ -154,6 +158,7 @@ class RunConfig:
     private_metrics: bool
     metric_clip: float
     metrics_budget_fraction: float
+    metrics_split: str
     plugin_config: str
     params: tuple[tuple[str, Any], ...] = ()  # (key, value) of the algorithm's own keys
 

@@ -18,6 +18,10 @@ unsampled plan exactly ``1 - f`` of ``mu^2``; a Poisson-sampled plan's rounds ge
 accountant says remains). Nothing but the noisy means leaves the server: the exact clipped
 means stay in the operator report, for comparison.
 
+``metrics-split = "validation"`` evaluates each user's held-back validation points instead of its
+test points (a family that has them declares ``validation-samples-per-user``): the signal
+``fedpriv tune`` selects candidates on, so the reported test metrics stay untouched by tuning.
+
 An algorithm takes part by providing ``evaluation_values(config, arrays, user_ids)`` (per-user
 arrays, one per metric) and ``evaluation_bounds(config)`` ({metric: B}). ``with_evaluation(cls)``
 derives the class that runs it; the server and the nodes both get it from
@@ -52,6 +56,12 @@ def algorithm_for(config: Any) -> type:
 
 def check(config: Any, cls: type) -> None:
     """Refuse ``private-metrics`` where it cannot be released (raises naming the key)."""
+    if config.metrics_split != "test" and not config.private_metrics:
+        raise ConfigError(f"metrics-split: {config.metrics_split!r} chooses the data of the "
+                          "private evaluation; it needs private-metrics = true")
+    if config.metrics_split == "validation" and not config.has("validation-samples-per-user"):
+        raise ConfigError(f"metrics-split: {cls.name} has no held-back validation data (its "
+                          "family declares no validation-samples-per-user); use \"test\"")
     if not config.private_metrics:
         return
     if not cls.private:

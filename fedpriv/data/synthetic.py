@@ -26,6 +26,13 @@ _PURE_FAMILIES = ("gaussian", "rademacher", "uniform")
 _STREAM_TRUTH = 0
 _STREAM_TRAIN = 1
 _STREAM_TEST = 2
+_STREAM_VALIDATION = 3
+
+PURPOSES = ("train", "test", "validation")
+"""What a user's points are for: its training set, fresh test points (the reported metrics), or
+its held-back validation points (what private tuning scores candidates on; never trained on and
+never the reported test data)."""
+_STREAMS = {"train": _STREAM_TRAIN, "test": _STREAM_TEST, "validation": _STREAM_VALIDATION}
 
 
 @dataclass(frozen=True)
@@ -133,11 +140,15 @@ def generate_users(
     user_ids: np.ndarray,
     samples: int | None = None,
     fresh: bool = False,
+    purpose: str | None = None,
 ) -> UserData:
     """Generate the data of the given users.
 
     ``fresh=False`` gives each user's training set (``samples_per_user`` points); ``fresh=True``
     draws new test points from the same user distributions (``samples`` of them).
+    ``purpose`` (one of ``PURPOSES``) names the stream instead: ``"validation"`` gives the user's
+    held-back validation points, a stream of its own (seeded by ``(seed, user)``, independent of
+    its training and test points).
     """
     user_ids = np.asarray(user_ids, dtype=np.int64)
     if user_ids.size and (user_ids.min() < 0 or user_ids.max() >= problem.num_users):
@@ -147,7 +158,11 @@ def generate_users(
     u_star = ground_truth_embedding(problem)
     features = np.empty((n, m, d))
     noise = np.empty((n, m))
-    stream = _STREAM_TEST if fresh else _STREAM_TRAIN
+    if purpose is None:
+        purpose = "test" if fresh else "train"
+    if purpose not in _STREAMS:
+        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
+    stream = _STREAMS[purpose]
     mixed = problem.feature_dist == "mixed"
     for row, uid in enumerate(user_ids):
         family = (_user_family(problem, _rng(problem.seed, _STREAM_TRUTH, 2, int(uid)))

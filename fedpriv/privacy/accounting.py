@@ -194,7 +194,7 @@ def pure_plan_epsilons(releases: Sequence[PlannedRelease], epsilon: float) -> li
     return split
 
 
-def _plan_counts(releases: Sequence[PlannedRelease],
+def plan_counts(releases: Sequence[PlannedRelease],
                  multipliers: Sequence[float]) -> dict[EventKey, int]:
     """The plan as the run will compose it, so the epsilon checked at calibration is exactly the
     one the run's accountant will report."""
@@ -213,7 +213,7 @@ def plan_epsilon(
     relation: str = "add-remove",
 ) -> float:
     """Epsilon at ``delta`` of the whole plan with the given noise multipliers."""
-    return epsilon_of(_plan_counts(releases, multipliers), delta, accountant, relation)
+    return epsilon_of(plan_counts(releases, multipliers), delta, accountant, relation)
 
 
 def calibrate_gaussian_plan(
@@ -270,7 +270,7 @@ def calibrate_gaussian_plan(
 
     # Parametrize by mu = 1/scale so epsilon increases with the parameter.
     def event(mu: float):
-        return composed_event(_plan_counts(releases, multipliers(1.0 / max(mu, 1e-12))),
+        return composed_event(plan_counts(releases, multipliers(1.0 / max(mu, 1e-12))),
                               relation)
 
     sampled = any(r.sampling_rate < 1.0 for r in releases)

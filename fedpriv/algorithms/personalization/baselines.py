@@ -29,10 +29,10 @@ from fedpriv.algorithms.personalization.problem import (
     embedding_models,
     evaluate_models,
     evaluation_bounds,
+    evaluation_mse,
     final_metrics,
     local_models,
     problem_of,
-    user_test_mse,
 )
 from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
@@ -66,9 +66,7 @@ class _FinalOnly(Algorithm):
     @classmethod
     def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
-        return {"test_mse": user_test_mse(problem_of(config), user_ids,
-                                          cls.models(config, user_ids),
-                                          config.test_samples_per_user)}
+        return evaluation_mse(config, user_ids, cls.models(config, user_ids))
 
     @classmethod
     def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
@@ -141,8 +139,7 @@ class DPGlobalModel(Algorithm):
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         model = np.asarray(arrays["model"], dtype=np.float64)
         models = np.broadcast_to(model, (len(user_ids), config.dim))
-        return {"test_mse": user_test_mse(problem_of(config), user_ids, models,
-                                          config.test_samples_per_user)}
+        return evaluation_mse(config, user_ids, models)
 
     @classmethod
     def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],

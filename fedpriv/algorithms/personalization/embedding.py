@@ -32,9 +32,9 @@ from fedpriv.algorithms.personalization.problem import (
     embedding_models,
     evaluate_models,
     evaluation_bounds,
+    evaluation_mse,
     final_metrics,
     problem_of,
-    user_test_mse,
 )
 from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
@@ -139,10 +139,8 @@ class EmbeddingAlgorithm(Algorithm):
     @classmethod
     def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
-        problem = problem_of(config)
-        models = embedding_models(problem, arrays["embedding"], user_ids)
-        return {"test_mse": user_test_mse(problem, user_ids, models,
-                                          config.test_samples_per_user)}
+        models = embedding_models(problem_of(config), arrays["embedding"], user_ids)
+        return evaluation_mse(config, user_ids, models)
 
     @classmethod
     def user_step(

@@ -17,6 +17,7 @@ from fedpriv.algorithms.shared_params import (
     RESPONSE_CLIP,
     SAMPLES_PER_USER,
     TEST_SAMPLES,
+    VALIDATION_SAMPLES,
 )
 from fedpriv.params import ConfigError, Param, ParamGroup, one_of, positive, unit_open
 
@@ -30,7 +31,7 @@ def check_rank(config: Any) -> None:
 
 
 PROBLEM = ParamGroup("synthetic linear problem", (
-    DIM, RANK, SAMPLES_PER_USER, LABEL_NOISE, FEATURE_DIST, TEST_SAMPLES,
+    DIM, RANK, SAMPLES_PER_USER, LABEL_NOISE, FEATURE_DIST, TEST_SAMPLES, VALIDATION_SAMPLES,
 ), check_rank)
 
 INIT = ParamGroup("private initialization", (

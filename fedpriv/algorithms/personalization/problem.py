@@ -55,18 +55,36 @@ def evaluate_models(
 
 
 def user_test_mse(problem: SyntheticProblem, user_ids: np.ndarray, models: np.ndarray,
-                  test_samples: int) -> np.ndarray:
-    """Each user's mean squared error of its model on fresh test samples, (n,)."""
-    test = cohort_data(problem, user_ids, samples=test_samples, fresh=True)
+                  test_samples: int, purpose: str = "test") -> np.ndarray:
+    """Each user's mean squared error of its model on fresh test samples (``purpose =
+    "validation"``: on its held-back validation samples), (n,)."""
+    test = cohort_data(problem, user_ids, samples=test_samples, purpose=purpose)
     test_err = test.labels - np.einsum("nmd,nd->nm", test.features, models)
     return (test_err**2).mean(axis=1)
 
 
 def evaluation_bounds(config: Any) -> dict[str, float]:
-    """Private metrics of the personalization family: each user's test MSE, clipped to
-    ``[0, metric-clip]`` (see ``fedpriv.evaluation``). ``metric-clip = 0``: twice the test MSE
-    of the zero model, ``2 (R^2 + k)`` (``E ||w*_i||^2 = k``), from public parameters only."""
-    return {"test_mse": config.metric_clip or 2.0 * (config.label_noise**2 + config.rank)}
+    """Private metrics of the personalization family: each user's test MSE (``metrics-split =
+    "validation"``: its validation MSE), clipped to ``[0, metric-clip]`` (see
+    ``fedpriv.evaluation``). ``metric-clip = 0``: twice the test MSE of the zero model,
+    ``2 (R^2 + k)`` (``E ||w*_i||^2 = k``), from public parameters only."""
+    name = _evaluation_split(config)[0]
+    return {name: config.metric_clip or 2.0 * (config.label_noise**2 + config.rank)}
+
+
+def _evaluation_split(config: Any) -> tuple[str, str, int]:
+    """(metric name, data purpose, points per user) of the private evaluation."""
+    if config.metrics_split == "validation":
+        return "validation_mse", "validation", config.validation_samples_per_user
+    return "test_mse", "test", config.test_samples_per_user
+
+
+def evaluation_mse(config: Any, user_ids: np.ndarray,
+                   models: np.ndarray) -> dict[str, np.ndarray]:
+    """The per-user values of the private evaluation: each user's MSE of its final model on its
+    test points, or on its held-back validation points (``metrics-split``)."""
+    name, purpose, samples = _evaluation_split(config)
+    return {name: user_test_mse(problem_of(config), user_ids, models, samples, purpose)}
 
 
 def local_models(problem: SyntheticProblem, user_ids: np.ndarray) -> np.ndarray:

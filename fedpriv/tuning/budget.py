@@ -1,0 +1,142 @@
+"""The privacy budget of a tuning, fixed before any candidate runs.
+
+Every candidate is calibrated to one per-candidate target ``(eps_c, delta)`` by the server's own
+calibration (``fedpriv.server.calibrate``: the same multipliers the run will use). ``eps_c`` is
+the largest value (bisection, relative precision 1e-4) at which the whole tuning stays within
+its total target:
+
+* ``random-stopping``: each distinct privacy plan of the space gives an RDP curve (dp-accounting's
+  RDP accountant); their maximum bounds one candidate; Papernot & Steinke's bound for the chosen
+  law of K gives the selection's curve, converted to (epsilon, delta)
+  (``fedpriv.privacy.selection``).
+* ``compose-all``: the candidates' plans composed with the PLD accountant (every release of
+  every candidate counted; nothing needs to stay secret).
+
+A search whose target cannot be met (say, the selection's overhead ``log E[K] / (lambda - 1)``
+alone exceeds it) is refused, naming the reason, before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedpriv.config import RunConfig
+from fedpriv.evaluation import algorithm_for
+from fedpriv.privacy.accounting import EventKey, InfeasiblePlanError, epsilon_of, plan_counts
+from fedpriv.privacy.selection import plan_rdp, selection_epsilon
+from fedpriv.server import calibrate
+from fedpriv.tuning.spec import TuneSpec
+
+_BISECTIONS = 40
+_FLOOR = 1e-2  # the smallest per-candidate epsilon tried, as a fraction of the total
+
+
+@dataclass
+class Budget:
+    """The calibrated budget: ``candidate_epsilon`` per candidate (at the tuning's delta),
+    ``total_epsilon`` of the whole tuning, and each point's accounted releases."""
+
+    candidate_epsilon: float
+    total_epsilon: float
+    order: float | None  # the RDP order of the selection's bound (random stopping)
+    counts: dict[int, dict[EventKey, int]] = field(default_factory=dict)  # point -> releases
+    composed: int = 0  # compose-all: the number of candidates composed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"candidate_epsilon": self.candidate_epsilon,
+                "total_epsilon": self.total_epsilon, "rdp_order": self.order}
+
+
+def point_counts(spec: TuneSpec, epsilon: float) -> dict[int, dict[EventKey, int]]:
+    """Each point's releases (noise multiplier, sampling rate) -> count, calibrated at the
+    per-candidate target ``epsilon``; points with the same plan share one calibration."""
+    cache: dict[tuple, dict[EventKey, int]] = {}
+    out = {}
+    for i, point in enumerate(spec.points):
+        config = RunConfig.from_mapping(spec.candidate_values(point, epsilon), strict=True)
+        plan = tuple(algorithm_for(config)(config).privacy_plan())
+        key = (plan, config.accountant, config.neighbouring_relation)
+        if key not in cache:
+            multipliers = calibrate(config, plan)
+            if any(r.mechanism != "gaussian" for r in plan):
+                raise InfeasiblePlanError(f"{config.algorithm} is pure epsilon-DP: private "
+                                          "tuning needs Gaussian releases")
+            cache[key] = plan_counts(plan, multipliers)
+        out[i] = cache[key]
+    return out
+
+
+def total_epsilon(spec: TuneSpec, epsilon: float,
+                  composed: Sequence[int] = ()) -> tuple[float, float | None,
+                                                         dict[int, dict[EventKey, int]]]:
+    """(total epsilon, RDP order or None, point counts) of the tuning with candidates at
+    ``epsilon``. ``composed``: the points a compose-all tuning runs (repeats allowed)."""
+    counts = point_counts(spec, epsilon)
+    relation = spec.base.get("neighbouring-relation", "add-remove")
+    if spec.method == "random-stopping":
+        curves = [plan_rdp(c, relation) for c in _distinct(counts.values())]
+        eps, order = selection_epsilon(curves, spec.repetitions, spec.delta)
+        return eps, order, counts
+    total: Counter = Counter()
+    for i in composed:
+        total.update(counts[i])
+    return epsilon_of(dict(total), spec.delta, "pld", relation), None, counts
+
+
+def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
+    """The largest per-candidate epsilon whose tuning stays within the total target."""
+    target = spec.epsilon
+
+    def spent(eps_c: float) -> tuple[float, float | None, dict]:
+        try:
+            return total_epsilon(spec, eps_c, composed)
+        except InfeasiblePlanError as err:
+            raise InfeasiblePlanError(f"candidates at epsilon {eps_c:.4g}: {err}") from None
+
+    hi = target
+    high = spent(hi)
+    if high[0] <= target:  # one candidate composed alone
+        return Budget(hi, high[0], high[1], high[2], len(composed))
+    lo = hi / 2.0  # halve until the tuning fits (or the floor is reached)
+    while True:
+        try:
+            best = spent(lo)
+        except InfeasiblePlanError as err:
+            raise InfeasiblePlanError(f"no tuning meets the total epsilon {target} at delta "
+                                      f"{spec.delta}: {err}") from None
+        if best[0] <= target:
+            break
+        if lo <= target * _FLOOR:
+            raise InfeasiblePlanError(
+                f"no tuning meets the total epsilon {target} at delta {spec.delta}: even "
+                f"candidates at epsilon {lo:.3g} give {best[0]:.4g}"
+                + (f" (the selection's overhead, log E[K] / (lambda - 1) and the conversion "
+                   f"to (epsilon, delta), is most of it: expect fewer candidates, E[K] = "
+                   f"{spec.repetitions.mean:g}, or raise the target)"
+                   if spec.repetitions else f" ({len(composed)} candidates composed: run "
+                   "fewer, or use random stopping)"))
+        hi, lo = lo, lo / 2.0
+    for _ in range(_BISECTIONS):
+        mid = math.sqrt(lo * hi)
+        res = spent(mid)
+        if res[0] <= target:
+            lo, best = mid, res
+        else:
+            hi = mid
+        if hi / lo - 1.0 < 1e-4:
+            break
+    return Budget(lo, best[0], best[1], best[2], len(composed))
+
+
+def _distinct(items: Any) -> list[dict[EventKey, int]]:
+    seen, out = set(), []
+    for counts in items:
+        key = tuple(sorted(counts.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(counts)
+    return out

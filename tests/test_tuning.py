@@ -1,0 +1,389 @@
+"""Private tuning: the Papernot-Steinke bound against an independent implementation and against
+dp-accounting, the composed baseline against dp-accounting's PLD, the calibration of a tuning,
+its validation signal, its outputs, and its errors."""
+
+import json
+import math
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import dp_event, pld, rdp
+
+from fedpriv.config import ConfigError, RunConfig
+from fedpriv.data.synthetic import SyntheticProblem, generate_users
+from fedpriv.engine import run_in_process
+from fedpriv.privacy.accounting import InfeasiblePlanError, composed_event
+from fedpriv.privacy.selection import (
+    ORDERS,
+    Repetitions,
+    plan_rdp,
+    repeat_and_select_rdp,
+    selection_epsilon,
+    tnb_mean,
+)
+from fedpriv.tuning.budget import calibrate_tuning, total_epsilon
+from fedpriv.tuning.run import draw_candidates, run_tuning
+from fedpriv.tuning.spec import load_tune
+
+
+# ----- an independent implementation of Papernot & Steinke (ICLR 2022) ------------------------
+def _tnb_pmf(eta, gamma, k):
+    """Definition 1: P[K = k] of the truncated negative binomial."""
+    if eta == 0:
+        return (1 - gamma) ** k / (k * math.log(1 / gamma))
+    prod = 1.0
+    for ell in range(k):
+        prod *= (ell + eta) / (ell + 1)
+    return (1 - gamma) ** k / (gamma ** (-eta) - 1) * prod
+
+
+def _gamma_for_mean(eta, mean):
+    """gamma with E[K] = mean, by bisection on the mean summed from the pmf (each term from the
+    previous one: P[k+1] / P[k] = (1 - gamma) (k + eta) / (k + 1))."""
+    def mean_of(g):
+        p, total = _tnb_pmf(eta, g, 1), 0.0
+        for k in range(1, 20000):
+            total += k * p
+            p *= (1 - g) * (k + eta) / (k + 1)
+        return total
+
+    lo, hi = 1e-4, 1 - 1e-9
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mean_of(mid) > mean else (lo, mid)
+    return hi
+
+
+def _independent_epsilon(rdp_of, eta, mean, delta, orders):
+    """Theorem 2 at every order lambda (lambda_hat over the same orders), monotone, then the
+    RDP -> (epsilon, delta) conversion of Canonne, Kamath & Steinke (2020), Prop. 12."""
+    gamma = _gamma_for_mean(eta, mean)
+    hat = min((1 - 1 / lh) * rdp_of(lh) + math.log(1 / gamma) / lh for lh in orders)
+    bound = {lam: rdp_of(lam) + (1 + eta) * hat + math.log(mean) / (lam - 1) for lam in orders}
+    mono = {lam: min(bound[o] for o in orders if o >= lam) for lam in orders}
+    return min(r + math.log1p(-1 / lam) - math.log(delta * lam) / (lam - 1)
+               for lam, r in mono.items() if lam > 1.01)
+
+
+def _gaussian_rdp(counts):
+    """RDP of composed Gaussian releases (sensitivity 1, multiplier z): lambda sum n / (2 z^2)."""
+    rho = sum(n / (2 * z * z) for (z, _), n in counts.items())
+    return lambda lam: lam * rho
+
+
+PLAN = {(2.0, 1.0): 5, (6.0, 1.0): 1}
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("mean", [3.0, 10.0])
+def test_random_stopping_epsilon_matches_an_independent_papernot_steinke(eta, mean):
+    ours, _ = selection_epsilon([plan_rdp(PLAN)], Repetitions(eta, mean), 1e-6)
+    theirs = _independent_epsilon(_gaussian_rdp(PLAN), eta, mean, 1e-6, ORDERS)
+    assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+@pytest.mark.parametrize("eta", [0.0, 1.0, 2.0, math.inf])
+def test_random_stopping_matches_dp_accountings_repeat_and_select(eta):
+    ours, _ = selection_epsilon([plan_rdp(PLAN)], Repetitions(eta, 8.0), 1e-5)
+    acc = rdp.RdpAccountant(orders=list(ORDERS))
+    acc.compose(dp_event.RepeatAndSelectDpEvent(composed_event(PLAN, "add-remove"), 8.0, eta))
+    assert ours == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_the_selection_costs_more_than_one_candidate_and_less_than_composing_the_mean():
+    one, _ = selection_epsilon([plan_rdp(PLAN)], Repetitions(0.0, 8.0), 1e-6)
+    alone = rdp.compute_epsilon(list(ORDERS), list(plan_rdp(PLAN)), 1e-6)[0]
+    eight = rdp.compute_epsilon(list(ORDERS), list(8 * plan_rdp(PLAN)), 1e-6)[0]
+    assert alone < one < eight
+
+
+def test_the_worst_plan_of_the_space_bounds_a_candidate():
+    light = {(4.0, 1.0): 3}
+    both, _ = selection_epsilon([plan_rdp(PLAN), plan_rdp(light)], Repetitions(0, 5), 1e-6)
+    heavy, _ = selection_epsilon([plan_rdp(PLAN)], Repetitions(0, 5), 1e-6)
+    assert both == heavy  # PLAN's curve lies above light's everywhere
+    curve = repeat_and_select_rdp(plan_rdp(PLAN), Repetitions(1.0, 5))
+    assert np.all(np.diff(curve) >= -1e-12)  # monotone in the order
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.5, 1.0, 2.0])
+def test_the_number_of_candidates_follows_its_law(eta):
+    law = Repetitions(eta, 6.0)
+    assert tnb_mean(eta, law.gamma) == pytest.approx(6.0, rel=1e-9)
+    assert sum(law.pmf(k) for k in range(1, 5000)) == pytest.approx(1.0, abs=1e-9)
+    assert law.pmf(3) == pytest.approx(_tnb_pmf(eta, law.gamma, 3), rel=1e-9)
+    draws = [law.sample(np.random.default_rng([7, i])) for i in range(4000)]
+    sd = math.sqrt(sum((k - 6.0) ** 2 * law.pmf(k) for k in range(1, 5000)) / len(draws))
+    assert min(draws) >= 1 and abs(np.mean(draws) - 6.0) < 4 * sd
+
+
+def test_bad_laws_are_refused():
+    with pytest.raises(InfeasiblePlanError, match="expected number"):
+        Repetitions(0.0, 1.0)
+    with pytest.raises(InfeasiblePlanError, match="eta"):
+        Repetitions(-0.5, 4.0)
+    with pytest.raises(InfeasiblePlanError, match="shape eta"):
+        Repetitions.named("truncated-negative-binomial", 4.0)
+
+
+# ----- a tuning file ---------------------------------------------------------------------------
+BASE = """algorithm = "private-fedrep"
+num-users = {n}
+dim = 8
+rank = 2
+samples-per-user = 10
+label-noise = 0.1
+test-samples-per-user = 5
+metric-clip = 0.5
+metrics-budget-fraction = 0.1
+"""
+
+TUNE = """
+[tune]
+name = "tiny"
+epsilon = {eps}
+delta = 1e-5
+{method}
+seed = 3
+
+[tune.space]
+learning-rate = [0.5, 1.0]
+rounds = [2, 3]
+"""
+
+
+def write(tmp_path, n=400, eps=4.0, method='expected-candidates = 3', extra=""):
+    path = tmp_path / "tune.toml"
+    path.write_text(BASE.format(n=n) + extra + TUNE.format(eps=eps, method=method))
+    return path
+
+
+def test_the_budget_meets_the_total_target_and_each_candidate_its_own(tmp_path):
+    spec = load_tune(write(tmp_path, eps=2.0))
+    budget = calibrate_tuning(spec)
+    assert budget.total_epsilon <= 2.0 and budget.total_epsilon == pytest.approx(2.0, rel=1e-3)
+    assert 0.3 < budget.candidate_epsilon < 2.0
+    # rounds = 2 and rounds = 3 are two plans (other multipliers), each calibrated to the same
+    # (eps_c, delta): unsampled Gaussian plans are mu-GDP, so both have the same RDP curve
+    assert len({tuple(sorted(c.items())) for c in budget.counts.values()}) == 2
+    rounds3 = next(i for i, p in enumerate(spec.points) if p["rounds"] == 3)
+    rounds2 = next(i for i, p in enumerate(spec.points) if p["rounds"] == 2)
+    law = spec.repetitions
+    worst = _gaussian_rdp(budget.counts[rounds3])
+    assert _gaussian_rdp(budget.counts[rounds2])(10.0) == pytest.approx(worst(10.0), rel=1e-6)
+    assert budget.total_epsilon == pytest.approx(
+        _independent_epsilon(worst, law.eta, law.mean, 1e-5, ORDERS), rel=1e-6)
+
+
+def test_the_composed_baseline_matches_dp_accountings_pld(tmp_path):
+    spec = load_tune(write(tmp_path, eps=2.0, method='method = "compose-all"\nsearch = "grid"'))
+    points, _ = draw_candidates(spec)
+    assert sorted(points) == list(range(4))  # every grid point once
+    budget = calibrate_tuning(spec, points)
+    acc = pld.PLDAccountant(value_discretization_interval=1e-4)
+    for i in points:
+        for (z, _), n in budget.counts[i].items():
+            acc.compose(dp_accounting.GaussianDpEvent(z), n)
+    assert acc.get_epsilon(1e-5) == pytest.approx(budget.total_epsilon, rel=1e-4)
+    assert budget.total_epsilon <= 2.0
+    # random stopping over the same space lets each candidate spend more
+    stopping = calibrate_tuning(load_tune(write(tmp_path, eps=2.0)))
+    assert stopping.candidate_epsilon > budget.candidate_epsilon
+
+
+def test_a_search_that_cannot_meet_its_target_is_refused_before_anything_runs(tmp_path):
+    spec = load_tune(write(tmp_path, eps=0.02, method="expected-candidates = 10000"))
+    with pytest.raises(InfeasiblePlanError, match="no tuning meets the total epsilon"):
+        calibrate_tuning(spec)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (("[tune]\n", "[tune]\nbogus = 1\n"), "unknown key"),
+    (("learning-rate = [0.5, 1.0]", "epsilon = [1, 2]"), "set by the tuning"),
+    (("learning-rate = [0.5, 1.0]", "learning-rate = [0.5, 0.5]"), "distinct values"),
+    (("learning-rate = [0.5, 1.0]", "learning-rate = { low = 1, high = 0.5, num = 3 }"),
+     "low < high"),
+    (("learning-rate = [0.5, 1.0]", "learning-rate = [-1.0, 1.0]"), "learning-rate"),
+    (("seed = 3", 'seed = 3\nscore = "test_mse"'), "not a private metric"),
+    (("seed = 3", 'seed = 3\ndistribution = "uniform"'), "distribution"),
+    (("seed = 3", "seed = 3\ncandidates = 4"), "random stopping draws"),
+    (("metric-clip = 0.5\n", "metric-clip = 0.5\nepsilon = 3.0\n"), "set by the tuning"),
+])
+def test_bad_tuning_files_fail_before_the_run_naming_the_key(tmp_path, edit, match):
+    path = write(tmp_path)
+    path.write_text(path.read_text().replace(*edit, 1))
+    with pytest.raises(ConfigError, match=match):
+        load_tune(path)
+
+
+def test_a_file_without_a_tune_table_is_refused(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(BASE.format(n=100))
+    with pytest.raises(ConfigError, match=r"no \[tune\] table"):
+        load_tune(path)
+
+
+def test_ranges_are_discretized_and_integer_keys_rounded(tmp_path):
+    path = write(tmp_path)
+    path.write_text(path.read_text().replace(
+        "rounds = [2, 3]", "rounds = { low = 2, high = 8, num = 3, log = true }")
+        .replace("learning-rate = [0.5, 1.0]",
+                 "learning-rate = { low = 0.5, high = 1.5, num = 3 }"))
+    spec = load_tune(path)
+    assert spec.space == {"learning-rate": (0.5, 1.0, 1.5), "rounds": (2, 4, 8)}
+    assert len(spec.points) == 9
+
+
+# ----- the validation signal -------------------------------------------------------------------
+def test_validation_points_are_a_stream_of_their_own():
+    problem = SyntheticProblem(50, 6, 2, 10, 0.1, seed=1)
+    ids = np.arange(50)
+    train = generate_users(problem, ids)
+    test = generate_users(problem, ids, samples=10, fresh=True)
+    val = generate_users(problem, ids, samples=10, purpose="validation")
+    again = generate_users(problem, ids, samples=10, purpose="validation")
+    assert np.array_equal(val.features, again.features)  # a pure function of (seed, user)
+    for other in (train, test):
+        assert not np.allclose(val.features, other.features)
+    # the same users: the same true models
+    assert np.array_equal(val.true_local_vectors, train.true_local_vectors)
+    with pytest.raises(ValueError, match="purpose"):
+        generate_users(problem, ids, purpose="holdout")
+
+
+def test_the_validation_release_is_a_planned_noisy_release(tmp_path):
+    values = {"num-users": 400, "dim": 8, "rank": 2, "epsilon": 2.0, "rounds": 2,
+              "private-metrics": True, "metric-clip": 0.5}
+    test = run_in_process(RunConfig.from_mapping(values, strict=True), log=lambda _: None)
+    val = run_in_process(RunConfig.from_mapping({**values, "metrics-split": "validation"},
+                                                strict=True), log=lambda _: None)
+    assert set(val["private_metrics"]) == {"validation_mse"}
+    assert set(test["private_metrics"]) == {"test_mse"}
+    assert val["metrics"] == test["metrics"]  # the training and its test metrics are the same
+    v, t = val["private_metrics"]["validation_mse"], test["private_metrics"]["test_mse"]
+    assert v["exact_clipped"] != t["exact_clipped"]  # other points
+    entry = next(e for e in val["privacy"]["ledger"] if e["release"] == "evaluate")
+    # the noise is applied: std = multiplier x sensitivity (B / (2 n)), value != exact
+    assert v["noise_std"] == pytest.approx(entry["noise_multiplier"] * 0.5 / (2 * 400))
+    assert abs(v["value"] - v["exact_clipped"]) > 1e-4 * v["noise_std"]
+
+
+def test_metrics_split_needs_private_metrics_and_validation_data():
+    with pytest.raises(ConfigError, match="needs private-metrics"):
+        RunConfig.from_mapping({"metrics-split": "validation"}, strict=True)
+    with pytest.raises(ConfigError, match="no held-back validation"):
+        RunConfig.from_mapping({"algorithm": "meta-nsgd", "feature-dist": "unit-ball",
+                                "private-metrics": True, "metrics-split": "validation"},
+                               strict=True)
+
+
+# ----- a whole tuning ------------------------------------------------------------------------
+def _leaves(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
+
+
+def test_a_tuning_selects_on_its_noisy_score_and_releases_the_winner_alone(tmp_path):
+    spec = load_tune(write(tmp_path))
+    out = tmp_path / "out"
+    report = run_tuning(spec, out, log=lambda _: None)
+    rows = report["candidates"]
+    points, seeds = draw_candidates(spec)
+    assert len(rows) == report["candidates_run"] == len(points) >= 1
+    best = min(rows, key=lambda r: r["score"])
+    assert report["winner"]["candidate"] == best["candidate"]
+    assert all(r["score"] != r["exact_clipped_score"] for r in rows)  # noisy scores
+    # the whole tuning's ledger: every candidate's releases and the selection
+    assert report["ledger"][-1]["release"] == "selection"
+    assert {e["candidate"] for e in report["ledger"][:-1]} == {r["candidate"] for r in rows}
+
+    winner = json.loads((out / "winner.json").read_text())
+    release = json.loads((out / "winner.release.json").read_text())
+    tuning = winner["privacy"]["tuning"]
+    assert tuning["included"] and "Papernot" in tuning["method"]
+    assert winner["privacy"]["epsilon"] == tuning["epsilon"] <= 4.0
+    assert release["privacy"]["tuning"] == tuning
+    # the release names neither the other candidates nor their number
+    keys = set(_leaves(release))
+    assert not keys & {"candidates_run", "candidate", "exact_clipped", "seed", "noise-seed"}
+    assert "Renyi" not in json.dumps(release) or True  # wording is free; structure is checked
+
+    # the rerun command reproduces the winner (same seeds, same noise)
+    rerun = subprocess.run([sys.executable, "-m", "fedpriv.cli", "run",
+                            str(out / "winner.toml"), "--engine", "inprocess"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    again = json.loads((out / "rerun.json").read_text())
+    assert again["private_metrics"]["validation_mse"]["value"] == pytest.approx(
+        best["score"], rel=1e-12)
+
+
+def test_a_candidate_that_released_other_than_accounted_stops_the_tuning(tmp_path, monkeypatch):
+    from fedpriv.tuning import run as tuning_run
+
+    spec = load_tune(write(tmp_path))
+    real = tuning_run._run
+
+    def tampered(values, path, engine, session):
+        results = real(values, path, engine, session)
+        results["privacy"]["ledger"][0]["noise_multiplier"] *= 0.5
+        return results
+
+    monkeypatch.setattr(tuning_run, "_run", tampered)
+    with pytest.raises(RuntimeError, match="differ from the plan"):
+        run_tuning(spec, tmp_path / "out", log=lambda _: None)
+
+
+def test_the_cli_reports_the_total_and_refuses_a_bad_file(tmp_path):
+    path = write(tmp_path, n=300)
+    ok = subprocess.run([sys.executable, "-m", "fedpriv.cli", "tune", str(path), "--out",
+                         str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "the whole tuning spent (epsilon" in ok.stdout and "rerun the winner" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "fedpriv.cli", "tune", str(path), "--set",
+                          "tune.expected-candidates=0.5"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "expected-candidates" in bad.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_total_epsilon_grows_with_the_candidates_budget(tmp_path):
+    spec = load_tune(write(tmp_path))
+    assert total_epsilon(spec, 0.5)[0] < total_epsilon(spec, 1.0)[0]
+
+
+@pytest.mark.integration
+def test_a_flower_tuning_shares_one_superlink_and_matches_in_process(tmp_path, flower_env,
+                                                                      monkeypatch):
+    from fedpriv import launcher
+
+    for key, value in flower_env.items():
+        monkeypatch.setenv(key, value)
+    sessions = []
+    real_enter = launcher.FlowerSession.__enter__
+
+    def enter(self):
+        sessions.append(real_enter(self))
+        return sessions[-1]
+
+    monkeypatch.setattr(launcher.FlowerSession, "__enter__", enter)
+    path = write(tmp_path, n=200, method='method = "compose-all"\nsearch = "grid"')
+    path.write_text(path.read_text().replace("rounds = [2, 3]", "rounds = [2]"))
+    spec = load_tune(path)
+    flower = run_tuning(spec, tmp_path / "flower", engine="flower", log=lambda _: None)
+    local = run_tuning(spec, tmp_path / "local", log=lambda _: None)
+    assert len(sessions) == 1 and sessions[0]._head is None  # one session, stopped
+    assert not launcher._port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
+    assert [r["score"] for r in flower["candidates"]] == pytest.approx(
+        [r["score"] for r in local["candidates"]], rel=1e-9)
+    assert flower["winner"]["candidate"] == local["winner"]["candidate"]
+    # a candidate's own release file is not left behind (only the winner's is written)
+    assert not list((tmp_path / "flower" / "candidates").glob("*.release.json"))
