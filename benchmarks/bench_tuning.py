@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from fedpriv.config import RunConfig  # noqa: E402
 from fedpriv.config_files import load_run_config  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
-from fedpriv.tuning.run import run_tuning  # noqa: E402
+from fedpriv.tuning.run import run_tuning, select  # noqa: E402
 from fedpriv.tuning.spec import load_tune  # noqa: E402
 
 
@@ -50,9 +50,12 @@ def main() -> int:
         t0 = time.perf_counter()
         report = run_tuning(which, out / label.split()[0], log=lambda line: print("  " + line,
                                                                                   flush=True))
-        best = min(report["candidates"], key=lambda r: r["score"])
+        if not report["candidates"]:
+            print(f"  {label}: no candidate ran (K = 0)")
+            return
+        best = select(report["candidates"], which.maximize)
         rows.append((label, best["population_mse"], report["tuning"]["epsilon"],
-                     report["tuning"]["candidate_epsilon"], report["candidates_run"],
+                     report["tuning"]["candidate_target_epsilon"], report["candidates_run"],
                      time.perf_counter() - t0))
 
     tuned("random-stopping (Papernot & Steinke)", spec)

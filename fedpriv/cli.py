@@ -120,7 +120,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     t = report["tuning"]
     print(f"fedpriv tune {spec.name}: {report['candidates_run']} candidates; the whole tuning "
           f"spent (epsilon {t['epsilon']:.4g}, delta {t['delta']:g}); each candidate "
-          f"(epsilon {t['candidate_epsilon']:.4g})")
+          f"(epsilon {t['candidate_target_epsilon']:.4g})")
     winner = report["winner"]
     if winner is None:
         print("fedpriv tune: no candidate ran (K = 0); nothing is released")

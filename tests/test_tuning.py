@@ -101,12 +101,21 @@ def test_the_selection_costs_more_than_one_candidate_and_less_than_composing_the
 
 
 def test_the_worst_plan_of_the_space_bounds_a_candidate():
-    light = {(4.0, 1.0): 3}
-    both, _ = selection_epsilon([plan_rdp(PLAN), plan_rdp(light)], Repetitions(0, 5), 1e-6)
-    heavy, _ = selection_epsilon([plan_rdp(PLAN)], Repetitions(0, 5), 1e-6)
-    assert both == heavy  # PLAN's curve lies above light's everywhere
+    # a Poisson-sampled plan's curve is flat at low orders and steep at high ones; an unsampled
+    # Gaussian's is linear: they cross, so neither alone bounds a mixture of the two
+    sampled = plan_rdp({(2.0, 0.05): 100})
+    linear = plan_rdp({(3.0, 1.0): 1})
+    lam = np.asarray(ORDERS)
+    assert np.any(sampled > linear) and np.any(sampled < linear)
+    law = Repetitions(0.0, 5.0)
+    worst = {o: max(a, b) for o, a, b in zip(ORDERS, sampled, linear, strict=True)}
+    expected = _independent_epsilon(worst.__getitem__, 0.0, 5.0, 1e-6, ORDERS)
+    for curves in ([sampled, linear], [linear, sampled]):
+        assert selection_epsilon(curves, law, 1e-6)[0] == pytest.approx(expected, rel=1e-6)
+    assert selection_epsilon([linear], law, 1e-6)[0] < expected
+    assert selection_epsilon([sampled], law, 1e-6)[0] < expected
     curve = repeat_and_select_rdp(plan_rdp(PLAN), Repetitions(1.0, 5))
-    assert np.all(np.diff(curve) >= -1e-12)  # monotone in the order
+    assert np.all(np.diff(curve) >= -1e-12) and len(curve) == len(lam)  # monotone
 
 
 @pytest.mark.parametrize("eta", [0.0, 0.5, 1.0, 2.0])
@@ -114,6 +123,7 @@ def test_the_number_of_candidates_follows_its_law(eta):
     law = Repetitions(eta, 6.0)
     assert tnb_mean(eta, law.gamma) == pytest.approx(6.0, rel=1e-9)
     assert sum(law.pmf(k) for k in range(1, 5000)) == pytest.approx(1.0, abs=1e-9)
+    assert sum(k * law.pmf(k) for k in range(1, 5000)) == pytest.approx(6.0, rel=1e-8)
     assert law.pmf(3) == pytest.approx(_tnb_pmf(eta, law.gamma, 3), rel=1e-9)
     draws = [law.sample(np.random.default_rng([7, i])) for i in range(4000)]
     sd = math.sqrt(sum((k - 6.0) ** 2 * law.pmf(k) for k in range(1, 5000)) / len(draws))
@@ -211,12 +221,34 @@ def test_a_search_that_cannot_meet_its_target_is_refused_before_anything_runs(tm
     (("seed = 3", 'seed = 3\ndistribution = "uniform"'), "distribution"),
     (("seed = 3", "seed = 3\ncandidates = 4"), "random stopping draws"),
     (("metric-clip = 0.5\n", "metric-clip = 0.5\nepsilon = 3.0\n"), "set by the tuning"),
+    (("seed = 3", "seed = 3\nmaximize = \"false\""), "maximize"),
+    (("seed = 3", "seed = 3\nsearch = \"grid\""), "search"),
+    (("seed = 3", "seed = 3\neta = 0.5"), "eta"),
+    (('name = "tiny"', 'name = "../x"'), "name"),
+    (("rounds = [2, 3]", "rounds = { low = 2, high = 2.4, num = 3 }"), "rounds to only"),
+    (("rounds = [2, 3]", "rounds = { low = \"2\", high = 4, num = 3 }"), "needs numbers"),
+    (("rounds = [2, 3]", "rounds = [2, 3]\nseed = [0, 1]"), "cannot vary"),
+    (("rounds = [2, 3]", "rounds = [2, 3]\nneighbouring-relation = [\"add-remove\", "
+      "\"replace-one\"]"), "cannot vary"),
+    (("metric-clip = 0.5\n", "metric-clip = 0.5\nsecure-noise = true\n"), "seed: not allowed"),
 ])
 def test_bad_tuning_files_fail_before_the_run_naming_the_key(tmp_path, edit, match):
     path = write(tmp_path)
     path.write_text(path.read_text().replace(*edit, 1))
     with pytest.raises(ConfigError, match=match):
         load_tune(path)
+
+
+def test_set_reaches_the_base_the_tune_table_and_the_space_but_not_the_tunings_own_keys(
+        tmp_path):
+    path = write(tmp_path)
+    spec = load_tune(path, ["dim=6", "tune.expected-candidates=4",
+                            "tune.space.rounds=[2, 3, 4]"])
+    assert spec.base["dim"] == 6 and spec.repetitions.mean == 4.0
+    assert spec.space["rounds"] == (2, 3, 4) and len(spec.points) == 6
+    for item in ("epsilon=50", "noise-seed=3", "delta=0.1"):
+        with pytest.raises(ConfigError, match="set by the tuning"):
+            load_tune(path, [item])
 
 
 def test_a_file_without_a_tune_table_is_refused(tmp_path):
@@ -314,7 +346,8 @@ def test_a_tuning_selects_on_its_noisy_score_and_releases_the_winner_alone(tmp_p
     # the release names neither the other candidates nor their number
     keys = set(_leaves(release))
     assert not keys & {"candidates_run", "candidate", "exact_clipped", "seed", "noise-seed"}
-    assert "Renyi" not in json.dumps(release) or True  # wording is free; structure is checked
+    toml = (out / "winner.toml").read_text()
+    assert "OPERATOR ONLY" in toml and f"candidate {best['candidate']}" not in toml
 
     # the rerun command reproduces the winner (same seeds, same noise)
     rerun = subprocess.run([sys.executable, "-m", "fedpriv.cli", "run",
@@ -324,6 +357,48 @@ def test_a_tuning_selects_on_its_noisy_score_and_releases_the_winner_alone(tmp_p
     again = json.loads((out / "rerun.json").read_text())
     assert again["private_metrics"]["validation_mse"]["value"] == pytest.approx(
         best["score"], rel=1e-12)
+
+
+def test_secure_noise_draws_k_and_the_candidates_from_os_entropy(tmp_path):
+    path = write(tmp_path)
+    path.write_text(path.read_text().replace("seed = 3\n", "").replace(
+        "metric-clip = 0.5\n", "metric-clip = 0.5\nsecure-noise = true\n"))
+    spec = load_tune(path)
+    assert spec.seed is None and spec.secure
+    first = [spec.draws().integers(2**62) for _ in range(2)]
+    assert first[0] != first[1]  # not seeded: a fresh OS-entropy stream each time
+    seeded = load_tune(write(tmp_path))
+    assert seeded.draws().integers(2**62) == seeded.draws().integers(2**62)
+
+
+def test_a_tuning_of_disjoint_user_groups_checks_each_users_releases(tmp_path):
+    path = write(tmp_path, n=300, method='method = "compose-all"\nsearch = "grid"')
+    text = path.read_text().replace('"private-fedrep"', '"priv-altmin"').replace(
+        "rounds = [2, 3]", "rounds = [2, 4]").replace("learning-rate = [0.5, 1.0]\n", "")
+    path.write_text(text.replace("metric-clip = 0.5\n", "metric-clip = 0.5\nuser-groups = 2\n"))
+    report = run_tuning(load_tune(path), tmp_path / "out", log=lambda _: None)
+    groups = {e.get("user_group") for e in report["ledger"][:-1]}
+    assert {0, 1} <= groups and len(report["candidates"]) == 2
+
+
+def test_nothing_runs_and_nothing_is_released_when_k_is_zero(tmp_path, monkeypatch):
+    spec = load_tune(write(tmp_path, method='distribution = "poisson"\nexpected-candidates = 2'))
+    out = tmp_path / "out"
+    monkeypatch.setattr(Repetitions, "sample", lambda self, rng: 1)
+    run_tuning(spec, out, log=lambda _: None)  # a first tuning leaves a winner
+    assert (out / "winner.release.json").is_file()
+    monkeypatch.setattr(Repetitions, "sample", lambda self, rng: 0)
+    report = run_tuning(spec, out, log=lambda _: None)
+    assert report["winner"] is None and report["candidates_run"] == 0
+    assert not list(out.glob("winner*")) and not list((out / "candidates").glob("*.json"))
+
+
+def test_maximize_selects_the_largest_noisy_score(tmp_path):
+    from fedpriv.tuning.run import select
+
+    rows = [{"candidate": 0, "score": 0.2}, {"candidate": 1, "score": 0.5},
+            {"candidate": 2, "score": 0.1}]
+    assert select(rows, True)["candidate"] == 1 and select(rows, False)["candidate"] == 2
 
 
 def test_a_candidate_that_released_other_than_accounted_stops_the_tuning(tmp_path, monkeypatch):
@@ -350,7 +425,7 @@ def test_the_cli_reports_the_total_and_refuses_a_bad_file(tmp_path):
     assert "the whole tuning spent (epsilon" in ok.stdout and "rerun the winner" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "fedpriv.cli", "tune", str(path), "--set",
                           "tune.expected-candidates=0.5"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "expected-candidates" in bad.stderr
     assert not (tmp_path / "results").exists()
 

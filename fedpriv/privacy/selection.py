@@ -126,7 +126,8 @@ class Repetitions:
             return math.exp(k * math.log1p(-g) - math.log(k) - math.log(math.log(1.0 / g)))
         # prod_{l < k} (l + eta) / (l + 1) = Gamma(k + eta) / (Gamma(eta) Gamma(k + 1))
         log_terms = math.lgamma(k + eta) - math.lgamma(eta) - math.lgamma(k + 1)
-        return math.exp(k * math.log1p(-g) + log_terms - math.log(g ** (-eta) - 1.0))
+        return math.exp(k * math.log1p(-g) + log_terms
+                        - math.log(math.expm1(-eta * math.log(g))))  # gamma^-eta - 1
 
     def sample(self, rng: np.random.Generator) -> int:
         """One draw of K (inverse CDF over the pmf; exact up to float rounding)."""
@@ -153,7 +154,8 @@ def tnb_mean(eta: float, gamma: float) -> float:
     (Papernot & Steinke, Definition 1)."""
     if eta == 0.0:
         return (1.0 / gamma - 1.0) / math.log(1.0 / gamma)
-    return eta * (1.0 - gamma) / (gamma * (1.0 - gamma**eta))
+    # 1 - gamma^eta, accurate for small eta
+    return eta * (1.0 - gamma) / (gamma * -math.expm1(eta * math.log(gamma)))
 
 
 def plan_rdp(counts: Mapping[EventKey, int], relation: str = "add-remove",
@@ -179,8 +181,8 @@ def repeat_and_select_rdp(curve: Sequence[float], repetitions: Repetitions,
     curve ``curve`` (Papernot & Steinke, Theorems 2 and 6; see the module docstring)."""
     lam = np.asarray(orders, dtype=np.float64)
     eps = np.asarray(curve, dtype=np.float64)
-    if lam.shape != eps.shape or np.any(lam <= 1.0):
-        raise ValueError("orders must be > 1 and match the curve")
+    if lam.shape != eps.shape or np.any(lam <= 1.0) or np.any(np.diff(lam) <= 0):
+        raise ValueError("orders must be increasing, > 1, and match the curve")
     mean = repetitions.mean
     if repetitions.poisson:
         out = np.empty_like(eps)

@@ -46,10 +46,6 @@ class Budget:
     counts: dict[int, dict[EventKey, int]] = field(default_factory=dict)  # point -> releases
     composed: int = 0  # compose-all: the number of candidates composed
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"candidate_epsilon": self.candidate_epsilon,
-                "total_epsilon": self.total_epsilon, "rdp_order": self.order}
-
 
 def point_counts(spec: TuneSpec, epsilon: float) -> dict[int, dict[EventKey, int]]:
     """Each point's releases (noise multiplier, sampling rate) -> count, calibrated at the
@@ -61,11 +57,12 @@ def point_counts(spec: TuneSpec, epsilon: float) -> dict[int, dict[EventKey, int
         plan = tuple(algorithm_for(config)(config).privacy_plan())
         key = (plan, config.accountant, config.neighbouring_relation)
         if key not in cache:
-            multipliers = calibrate(config, plan)
-            if any(r.mechanism != "gaussian" for r in plan):
-                raise InfeasiblePlanError(f"{config.algorithm} is pure epsilon-DP: private "
-                                          "tuning needs Gaussian releases")
-            cache[key] = plan_counts(plan, multipliers)
+            if any(r.sampling_rate < 1.0 for r in plan):
+                raise InfeasiblePlanError(
+                    f"{config.algorithm} samples its users (Poisson): every candidate would "
+                    "reuse the run seed's sample, so the candidates are not independent runs; "
+                    "private tuning needs unsampled plans")
+            cache[key] = plan_counts(plan, calibrate(config, plan))
         out[i] = cache[key]
     return out
 

@@ -18,9 +18,14 @@ Outputs, under ``--out`` (default ``results/tune/<name>``):
 * ``winner.json``: the selected candidate's results file, its ``privacy`` saying that tuning is
   included, how, and the tuning's total (epsilon, delta); ``winner.release.json`` beside it is
   its release (``fedpriv.outputs``), which holds the winner alone.
-* ``winner.toml``: the winner's run config; ``fedpriv run winner.toml`` reruns it (with its
-  seeds it reproduces the same release; with fresh noise a rerun is a new release that spends
-  its own per-candidate budget).
+* ``winner.toml`` (operator only: it holds the seeds): the winner's run config; ``fedpriv run
+  winner.toml`` reruns it. A seeded tuning's rerun reproduces the same release; with
+  ``secure-noise`` (or any fresh noise) a rerun is a new release that spends its own
+  per-candidate budget on top of the tuning's.
+
+Files of an earlier tuning in the same folder are removed first, so no stale winner is left next
+to a new report. With a Poisson number of candidates K may be 0: nothing runs, nothing is
+released, and ``winner`` is null in the report.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def run_tuning(spec: TuneSpec, out: Path, engine: str = "inprocess",
     composed = points if spec.method == "compose-all" else ()
     budget = calibrate_tuning(spec, composed)
     log(plan_line(spec, budget))
+    _clear(out)
     cand_dir = out / "candidates"
     cand_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -116,10 +122,26 @@ def plan_line(spec: TuneSpec, budget: Budget) -> str:
             f"{spec.epsilon:g}, delta {spec.delta:g})")
 
 
+def ranking(maximize: bool) -> Callable[[dict[str, Any]], float]:
+    """Sort key of candidate rows, best first, by the noisy score."""
+    return (lambda r: -r["score"]) if maximize else (lambda r: r["score"])
+
+
 def select(rows: list[dict[str, Any]], maximize: bool) -> dict[str, Any]:
     """The best row by its noisy score (the first of equals)."""
-    key = (lambda r: -r["score"]) if maximize else (lambda r: r["score"])
-    return min(rows, key=key)
+    return min(rows, key=ranking(maximize))
+
+
+_OUTPUTS = ("tuning-report.json", "candidates.csv", "winner.json", "winner.release.json",
+            "winner.toml", "rerun.json", "rerun.release.json")
+
+
+def _clear(out: Path) -> None:
+    """Remove what an earlier tuning left in ``out`` (never anything else)."""
+    for name in _OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    for old in (out / "candidates").glob("candidate-*.json"):
+        old.unlink()
 
 
 def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[str, Any]:
@@ -138,12 +160,25 @@ def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[
 
 
 def _check_ledger(results: dict[str, Any], accounted: dict[EventKey, int], index: int) -> None:
-    """The candidate released exactly what the tuning's budget accounted for."""
-    ran = Counter((float(e["noise_multiplier"]), float(e.get("sampling_rate", 1.0)))
-                  for e in results["privacy"]["ledger"])
-    if dict(ran) != dict(accounted):
-        raise RuntimeError(f"candidate {index}: its releases {dict(ran)} differ from the plan "
-                           f"the tuning accounted {accounted}")
+    """The candidate released exactly what the tuning's budget accounted for, per user: the
+    releases every user is in, plus those of each disjoint user group (as the accountant
+    composes them)."""
+    common: Counter = Counter()
+    groups: dict[int, Counter] = {}
+    for e in results["privacy"]["ledger"]:
+        key = (float(e["noise_multiplier"]), float(e.get("sampling_rate", 1.0)))
+        members = e.get("user_groups") or ([] if e.get("user_group") is None
+                                           else [e["user_group"]])
+        if not members:
+            common[key] += 1
+        for g in members:
+            groups.setdefault(int(g), Counter())[key] += 1
+    for g, own in (groups or {None: Counter()}).items():
+        ran = dict(common + own)
+        if ran != dict(accounted):
+            where = "" if g is None else f" (a user of group {g})"
+            raise RuntimeError(f"candidate {index}: its releases{where} {ran} differ from the "
+                               f"plan the tuning accounted {accounted}")
 
 
 def _write(spec: TuneSpec, out: Path, budget: Budget, rows: list[dict[str, Any]],
@@ -167,16 +202,19 @@ def _write(spec: TuneSpec, out: Path, budget: Budget, rows: list[dict[str, Any]]
         index = best["candidate"]
         winner = json.loads((out / "candidates" / f"candidate-{index:03d}.json").read_text())
         winner.pop("document", None)
+        # the whole tuning's (epsilon, delta); the winner's own run spent candidate_epsilon
         winner["privacy"] = {**winner["privacy"], "epsilon": budget.total_epsilon,
-                             "delta": spec.delta, "tuning": tuning,
+                             "delta": spec.delta, "target_epsilon": spec.epsilon,
+                             "max_epsilon": spec.epsilon, "tuning": tuning,
                              "candidate_epsilon": winner["privacy"]["epsilon"]}
         report_path, release = write_outputs(winner, out / "winner.json")
         values = {**spec.candidate_values(spec.points[points[index]],
                                           budget.candidate_epsilon, seeds[index]),
                   "results-path": str(out / "rerun.json")}
         (out / "winner.toml").write_text(
-            f"# fedpriv tune {spec.name}: candidate {index}, selected by its private "
-            f"{spec.score}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
+            f"# fedpriv tune {spec.name}: the selected candidate (by its private {spec.score}).\n"
+            "# OPERATOR ONLY: it holds the seeds. A rerun with fresh noise is a new release.\n"
+            + "".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
         report["winner"] = {"candidate": index, "point": spec.points[points[index]],
                             "report": str(report_path), "release": str(release),
                             "rerun": f"fedpriv run {out / 'winner.toml'}"}
@@ -190,7 +228,7 @@ def privacy_of_tuning(spec: TuneSpec, budget: Budget) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "included": True,
         "epsilon": budget.total_epsilon, "delta": spec.delta, "target_epsilon": spec.epsilon,
-        "candidate_epsilon": budget.candidate_epsilon,
+        "candidate_target_epsilon": budget.candidate_epsilon,
         "score": f"private_{spec.score} (noisy mean of the users' clipped validation losses, "
                  "one more release in each candidate's plan)",
         "search_space": {k: list(v) for k, v in spec.space.items()},
@@ -227,7 +265,7 @@ def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 def table_lines(report: dict[str, Any], score: str, maximize: bool = False,
                 limit: int = 40) -> list[str]:
     """The candidates as a Markdown table (best first)."""
-    rows = sorted(report["candidates"], key=lambda r: -r["score"] if maximize else r["score"])
+    rows = sorted(report["candidates"], key=ranking(maximize))
     keys = list(report["space"])
     head = ["#", *keys, f"private {score}", "population_mse"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
