@@ -44,3 +44,22 @@ def flower_env():
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     yield env
     shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def flower_sessions(flower_env, monkeypatch):
+    """The Flower environment in this process, and the list of every ``FlowerSession`` entered
+    (to check that a sweep or a tuning shares one SuperLink and one Ray head)."""
+    from fedpriv import launcher
+
+    for key, value in flower_env.items():
+        monkeypatch.setenv(key, value)
+    sessions = []
+    real_enter = launcher.FlowerSession.__enter__
+
+    def enter(self):
+        sessions.append(real_enter(self))
+        return sessions[-1]
+
+    monkeypatch.setattr(launcher.FlowerSession, "__enter__", enter)
+    return sessions

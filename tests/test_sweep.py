@@ -162,20 +162,11 @@ def _ray_sessions(root) -> list:
 
 @pytest.mark.integration
 def test_a_flower_sweep_shares_one_superlink_and_one_ray_head_and_stops_them(
-        tmp_path, flower_env, monkeypatch):
+        tmp_path, flower_env, flower_sessions, monkeypatch):
     from fedpriv import launcher, sweep
 
-    for key, value in flower_env.items():
-        monkeypatch.setenv(key, value)
     port = int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
-    heads = []
-    real_enter = launcher.FlowerSession.__enter__
-
-    def enter(self):
-        heads.append(real_enter(self))
-        return heads[-1]
-
-    monkeypatch.setattr(launcher.FlowerSession, "__enter__", enter)
+    heads = flower_sessions
     spec = load_sweep(write(tmp_path, FLOWER_SWEEP))
     rows = run_sweep(spec, tmp_path / "out", engine="flower", log=lambda _: None)
     assert [r["series"] for r in rows] == ["private-fedrep", "local-only"]

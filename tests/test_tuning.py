@@ -437,19 +437,10 @@ def test_total_epsilon_grows_with_the_candidates_budget(tmp_path):
 
 @pytest.mark.integration
 def test_a_flower_tuning_shares_one_superlink_and_matches_in_process(tmp_path, flower_env,
-                                                                      monkeypatch):
+                                                                      flower_sessions):
     from fedpriv import launcher
 
-    for key, value in flower_env.items():
-        monkeypatch.setenv(key, value)
-    sessions = []
-    real_enter = launcher.FlowerSession.__enter__
-
-    def enter(self):
-        sessions.append(real_enter(self))
-        return sessions[-1]
-
-    monkeypatch.setattr(launcher.FlowerSession, "__enter__", enter)
+    sessions = flower_sessions
     path = write(tmp_path, n=200, method='method = "compose-all"\nsearch = "grid"')
     path.write_text(path.read_text().replace("rounds = [2, 3]", "rounds = [2]"))
     spec = load_tune(path)
