@@ -222,8 +222,12 @@ def calibrate_gaussian_plan(
     delta: float,
     accountant: str = "pld",
     relation: str = "add-remove",
+    confirm: bool = True,
 ) -> list[float]:
     """Noise multipliers, one per release group, so the plan spends at most (epsilon, delta).
+
+    ``confirm=False`` skips the accountant's confirmation of the closed form (unsampled PLD
+    plans only; a search over many targets, such as a tuning's budget, confirms its final one).
 
     Release ``j`` gets ``z_j = s / sqrt(w_j)`` with one scale ``s``. Unsampled plans under the
     PLD accountant are exactly mu-GDP, so ``s`` is solved from the closed form (dp-accounting's
@@ -292,7 +296,7 @@ def calibrate_gaussian_plan(
             raise InfeasiblePlanError(
                 f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
                 f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
-        return _never_overshoot(scale)
+        return _never_overshoot(scale) if confirm else multipliers(scale)
 
     # The multiplier floor is checked before the accountant is asked: a huge epsilon target
     # would otherwise double mu until the PLD grid exhausts memory. At the floor, the plan

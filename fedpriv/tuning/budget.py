@@ -26,7 +26,13 @@ from typing import Any
 
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import algorithm_for
-from fedpriv.privacy.accounting import EventKey, InfeasiblePlanError, epsilon_of, plan_counts
+from fedpriv.privacy.accounting import (
+    EventKey,
+    InfeasiblePlanError,
+    calibrate_gaussian_plan,
+    epsilon_of,
+    plan_counts,
+)
 from fedpriv.privacy.selection import plan_rdp, selection_epsilon
 from fedpriv.server import calibrate
 from fedpriv.tuning.spec import TuneSpec
@@ -47,9 +53,12 @@ class Budget:
     composed: int = 0  # compose-all: the number of candidates composed
 
 
-def point_counts(spec: TuneSpec, epsilon: float) -> dict[int, dict[EventKey, int]]:
+def point_counts(spec: TuneSpec, epsilon: float,
+                 confirm: bool = True) -> dict[int, dict[EventKey, int]]:
     """Each point's releases (noise multiplier, sampling rate) -> count, calibrated at the
-    per-candidate target ``epsilon``; points with the same plan share one calibration."""
+    per-candidate target ``epsilon`` as the server will (``confirm=False``: without the PLD
+    confirmation of an unsampled plan's closed form, for the search); points with the same plan
+    share one calibration."""
     cache: dict[tuple, dict[EventKey, int]] = {}
     out = {}
     for i, point in enumerate(spec.points):
@@ -62,17 +71,20 @@ def point_counts(spec: TuneSpec, epsilon: float) -> dict[int, dict[EventKey, int
                     f"{config.algorithm} samples its users (Poisson): every candidate would "
                     "reuse the run seed's sample, so the candidates are not independent runs; "
                     "private tuning needs unsampled plans")
-            cache[key] = plan_counts(plan, calibrate(config, plan))
+            multipliers = (calibrate(config, plan) if confirm else calibrate_gaussian_plan(
+                plan, epsilon, spec.delta, config.accountant, config.neighbouring_relation,
+                confirm=False))
+            cache[key] = plan_counts(plan, multipliers)
         out[i] = cache[key]
     return out
 
 
-def total_epsilon(spec: TuneSpec, epsilon: float,
-                  composed: Sequence[int] = ()) -> tuple[float, float | None,
-                                                         dict[int, dict[EventKey, int]]]:
+def total_epsilon(spec: TuneSpec, epsilon: float, composed: Sequence[int] = (),
+                  confirm: bool = True) -> tuple[float, float | None,
+                                                 dict[int, dict[EventKey, int]]]:
     """(total epsilon, RDP order or None, point counts) of the tuning with candidates at
     ``epsilon``. ``composed``: the points a compose-all tuning runs (repeats allowed)."""
-    counts = point_counts(spec, epsilon)
+    counts = point_counts(spec, epsilon, confirm)
     relation = spec.base.get("neighbouring-relation", "add-remove")
     if spec.method == "random-stopping":
         curves = [plan_rdp(c, relation) for c in _distinct(counts.values())]
@@ -88,14 +100,14 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
     """The largest per-candidate epsilon whose tuning stays within the total target."""
     target = spec.epsilon
 
-    def spent(eps_c: float) -> tuple[float, float | None, dict]:
+    def spent(eps_c: float, confirm: bool = False) -> tuple[float, float | None, dict]:
         try:
-            return total_epsilon(spec, eps_c, composed)
+            return total_epsilon(spec, eps_c, composed, confirm)
         except InfeasiblePlanError as err:
             raise InfeasiblePlanError(f"candidates at epsilon {eps_c:.4g}: {err}") from None
 
     hi = target
-    high = spent(hi)
+    high = spent(hi, confirm=True)
     if high[0] <= target:  # one candidate composed alone
         return Budget(hi, high[0], high[1], high[2], len(composed))
     lo = hi / 2.0  # halve until the tuning fits (or the floor is reached)
@@ -126,7 +138,16 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
             hi = mid
         if hi / lo - 1.0 < 1e-4:
             break
-    return Budget(lo, best[0], best[1], best[2], len(composed))
+    # the search skipped the PLD confirmation of closed forms; the server's own calibration may
+    # only add noise (it never overshoots), so the final multipliers spend at most the search's
+    try:
+        final = spent(lo, confirm=True)
+    except InfeasiblePlanError as err:
+        raise InfeasiblePlanError(f"no tuning meets the total epsilon {target} at delta "
+                                  f"{spec.delta}: {err}") from None
+    if final[0] > target * (1 + 1e-9):
+        raise InfeasiblePlanError(f"the calibrated tuning spends {final[0]} > {target}")
+    return Budget(lo, final[0], final[1], final[2], len(composed))
 
 
 def _distinct(items: Any) -> list[dict[EventKey, int]]:
