@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds per point before it is killed and recorded as timed out")
     ap.add_argument("--plot", metavar="PNG", help="also draw the log-log figure here")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a run-config override for every run (e.g. data-dtype=float32)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_scaling"),
                     help="output folder (default: results/bench_scaling)")
     args = ap.parse_args()
@@ -136,7 +138,7 @@ def main() -> int:
     rows = []
     for n in sorted(set(args.sizes)):
         for engine in args.engines:
-            m = measured_run([f"num-users={n}", "checkpoint=false"],
+            m = measured_run([f"num-users={n}", "checkpoint=false", *args.sets],
                              out / "runs" / f"{engine}-{n}.json", config, engine, args.timeout)
             rows.append(row_of(n, engine, m))
             print(markdown_row(rows[-1]), flush=True)

@@ -47,6 +47,7 @@ def hello(msg: Message, context: Context) -> Message:
 
 
 def _answer(msg: Message, context: Context) -> Message:
+    started = time.perf_counter()
     config = RunConfig.from_mapping(context.run_config)
     pid, parts = _partition(context)
     step = _step(msg)
@@ -59,12 +60,15 @@ def _answer(msg: Message, context: Context) -> Message:
     algorithm = algorithm_for(config)
     arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
         msg.content) else {}
+    decoded = time.perf_counter()
     contrib = node_step(algorithm, config, step, arrays,
                         partition_users(config.num_users, pid, parts))
+    computed = time.perf_counter()
     if faulty and config.node_fault_kind == "corrupt":
         contrib = corrupted(contrib)
     metrics = {P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
-               P.KEY_PARTITION: pid}
+               P.KEY_PARTITION: pid, P.KEY_COMPUTE_S: computed - decoded,
+               P.KEY_DECODE_S: decoded - started}
     for key, value in (contrib.metrics or {}).items():
         metrics[P.METRIC_PREFIX + key] = float(value)
     content = RecordDict({P.METRICS: MetricRecord(metrics)})

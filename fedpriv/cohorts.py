@@ -119,41 +119,74 @@ def _nbytes(data: UserData) -> int:
                                   data.true_local_vectors))
 
 
-CACHE = BlockCache(int(float(os.environ.get(CACHE_MB_ENV, "2048")) * 2**20))
+DEFAULT_CACHE_MB = 2048
+"""The cache of one process; a Flower simulation gives each ClientApp actor its share."""
+
+CACHE = BlockCache(int(float(os.environ.get(CACHE_MB_ENV, str(DEFAULT_CACHE_MB))) * 2**20))
+
+
+PARTS = ("all", "s0")
+"""What of each user's points ``cohort_data`` returns: all of them, or ``S0`` (the first
+half, all that the initializations and rounds of the embedding algorithms read: cached alone,
+half the memory)."""
+
+
+def _first_half(data: UserData) -> UserData:
+    (x0, y0), _ = data.split_halves()
+    return UserData(data.user_ids, x0.copy(), y0.copy(), data.true_local_vectors)
 
 
 def cohort_data(
     problem: SyntheticProblem, user_ids: np.ndarray, samples: int | None = None,
     fresh: bool = False,
     purpose: str | None = None,
+    part: str = "all",
 ) -> UserData:
     """Data of the given users, regenerated once per process per block and cached.
 
     Blocks are aligned to a grid of ``block_users()`` ids, so a node's partition and any
     subset of it (a user group, a Poisson sample) are served from the same cached blocks.
+    ``part = "s0"``: only each user's first half ``S0`` (see ``PARTS``).
     """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     ids = np.asarray(user_ids, dtype=np.int64)
     purpose = purpose or ("test" if fresh else "train")
     if not ids.size:
-        return generate_users(problem, ids, samples=samples, purpose=purpose)
+        empty = generate_users(problem, ids, samples=samples, purpose=purpose)
+        return _first_half(empty) if part == "s0" else empty
     m = problem.samples_per_user if samples is None else samples
     size = block_users()
     pieces = []
     for first in range(int(ids.min()) // size * size, int(ids.max()) + 1, size):
         last = min(first + size, problem.num_users)
-        block = CACHE.get((problem, first, last, m, purpose), lambda f=first, la=last:
-                          generate_users(problem, np.arange(f, la), samples=m,
-                                         purpose=purpose))
-        pieces.append(block)
+
+        def make(f: int = first, la: int = last) -> UserData:
+            data = generate_users(problem, np.arange(f, la), samples=m, purpose=purpose)
+            return _first_half(data) if part == "s0" else data
+
+        pieces.append(CACHE.get((problem, first, last, m, purpose, part), make))
     if len(pieces) == 1:
         block = pieces[0]
     else:
         block = UserData(*(np.concatenate([getattr(p, f) for p in pieces]) for f in
                            ("user_ids", "features", "labels", "true_local_vectors")))
     start = int(block.user_ids[0])
-    if ids.size == len(block.user_ids) and ids[0] == start and np.array_equal(
-            ids, block.user_ids):
-        return block
     rows = ids - start
-    return UserData(ids, block.features[rows], block.labels[rows],
-                    block.true_local_vectors[rows])
+    lo, hi = int(rows[0]), int(rows[-1]) + 1
+    if hi - lo == ids.size and np.array_equal(rows, np.arange(lo, hi)):  # a range: views
+        if lo == 0 and hi == len(block.user_ids):
+            return _float64(block)
+        return _float64(UserData(block.user_ids[lo:hi], block.features[lo:hi],
+                                 block.labels[lo:hi], block.true_local_vectors[lo:hi]))
+    return _float64(UserData(ids, block.features[rows], block.labels[rows],
+                             block.true_local_vectors[rows]))
+
+
+def _float64(data: UserData) -> UserData:
+    """Points kept in float32 (``data-dtype``) are computed on in float64 (a copy of the
+    block being computed, not of the cache)."""
+    if data.features.dtype == np.float64:
+        return data
+    return UserData(data.user_ids, data.features.astype(np.float64),
+                    data.labels.astype(np.float64), data.true_local_vectors)

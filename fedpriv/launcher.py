@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedpriv.cohorts import auto_num_nodes
+from fedpriv.cohorts import CACHE_MB_ENV, DEFAULT_CACHE_MB, auto_num_nodes
 from fedpriv.config import RunConfig
 from fedpriv.config_files import app_config_keys, for_flower, toml_value
 
@@ -188,7 +188,11 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         for key, value in flower_values.items():
             lines.append(f"{key} = {toml_value(value)}")
         run_config.write_text("\n".join(lines) + "\n")
-        federation = f"num-supernodes={nodes}"
+        # one ClientApp actor per core (Flower's default gives each actor 2 CPUs: one actor
+        # on a 2-core machine), each with its share of the data cache unless one is set
+        federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
+        actors = min(nodes, os.cpu_count() or 1)
+        env.setdefault(CACHE_MB_ENV, str(max(64, DEFAULT_CACHE_MB // actors)))
         if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
                 not ray_address):  # an existing cluster's CPUs are its own
             # a simulated node that times out holds its worker for node-timeout seconds:

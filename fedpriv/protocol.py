@@ -14,3 +14,5 @@ KEY_NUM_CLIPPED = "num-clipped"
 KEY_PARTITION = "partition-id"
 KEY_NUM_PARTITIONS = "num-partitions"
 METRIC_PREFIX = "m."
+KEY_COMPUTE_S = "compute-s"  # the node's seconds in node_step (the profile in the operator report)
+KEY_DECODE_S = "decode-s"  # the node's seconds reading the step and its arrays

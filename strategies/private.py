@@ -69,6 +69,7 @@ class PrivateStrategy(Strategy):
                                     checkpoint_path=checkpoint_path)
         self._step: Step | None = None  # the step under way (set by run)
         self._started = 0.0
+        self.profile: list[dict] = []
 
     # -- per-step work, in Flower's vocabulary ------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -83,15 +84,29 @@ class PrivateStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         node_replies = []
         answered = set()
+        received = time.perf_counter()
+        compute, decode = [], []
         for reply in replies:
             node = reply.metadata.src_node_id
             answered.add(node)
             node_replies.append(self._to_node_reply(self.partitions.get(node, -1), reply))
+            try:  # timings are the node's word, for the profile only: never trusted
+                metrics = reply.content[P.METRICS]
+                compute.append(min(max(float(metrics[P.KEY_COMPUTE_S]), 0.0), 1e6))
+                decode.append(min(max(float(metrics[P.KEY_DECODE_S]), 0.0), 1e6))
+            except Exception:  # noqa: BLE001 -- an error reply or a node that sends none
+                pass
         for node, pid in self.partitions.items():
             if node not in answered:
                 node_replies.append(NodeReply(pid, error="no reply before the timeout",
                                               failure="timeout"))
         report = self.server.aggregate(self._step, node_replies, self._started)
+        # where the step's time went (operator report only; see benchmarks/profile_flower.py)
+        self.profile.append({"step": self._step.label,
+                             "wall_s": time.perf_counter() - self._started,
+                             "nodes_compute_s": sum(compute), "max_node_compute_s":
+                             max(compute, default=0.0), "nodes_decode_s": sum(decode),
+                             "server_s": time.perf_counter() - received})
         return None, MetricRecord({k: float(v) for k, v in report.items()
                                    if isinstance(v, (int, float))})
 

@@ -18,19 +18,23 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    started = time.perf_counter()
+    started, started_unix = time.perf_counter(), time.time()
     config = RunConfig.from_mapping(context.run_config)  # fails here on a bad config
     print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
           f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
     # nodes register asynchronously (a simulation starts its workers first): wait at least
     # two minutes for them, whatever the per-step node-timeout
     partitions = discover_partitions(grid, timeout=max(config.node_timeout, 120.0))
+    discovered_unix = time.time()
     checkpoint = checkpoint_path(config) if config.checkpoint else None
     strategy = PrivateStrategy(config, partitions, checkpoint_path=checkpoint)
     print("fedpriv: noise multipliers " + ", ".join(
         f"{k}={v:.4g}" for k, v in strategy.server.multipliers.items()), flush=True)
     results = strategy.run(grid)
     results["wall_time_s"] = time.perf_counter() - started
+    results["profile"] = {"serverapp_started_unix": started_unix,
+                          "nodes_discovered_unix": discovered_unix,
+                          "steps_done_unix": time.time(), "steps": strategy.profile}
     path, release = write_outputs(results, config.results_path)
     strategy.server.discard_checkpoint()  # the results file is now the record of the run
     for line in summary_lines(results):

@@ -71,31 +71,43 @@ def test_a_nodes_memory_for_a_step_is_bounded_by_the_block():
     assert peak(1000) < 0.15 * peak(20000)
 
 
-@pytest.mark.parametrize("family", ["gaussian", "mixed"])
-def test_user_data_is_the_seeded_per_user_draw_it_always_was(family):
-    """Generation got faster (one generator per user and data set, v* drawn once per process);
-    every user's data must stay the same function of (seed, user id), drawn here as the
-    original code drew it."""
-    from fedpriv.data.synthetic import SyntheticProblem, generate_users, ground_truth_embedding
+def test_s0_part_is_the_first_half_of_the_users_points():
+    from fedpriv.cohorts import cohort_data
+    from fedpriv.data.synthetic import SyntheticProblem
 
-    problem = SyntheticProblem(500, 6, 2, 8, 0.1, family, seed=3)
-    ids = np.array([0, 499, 17, 250])
-    data = generate_users(problem, ids)
-    u_star = ground_truth_embedding(problem)
-    for row, uid in enumerate(ids):
-        kind = problem.feature_dist
-        if kind == "mixed":
-            pick = np.random.default_rng([3, 0, 2, int(uid)]).integers(0, 3)
-            kind = ("gaussian", "rademacher", "uniform")[int(pick)]
-        rng = np.random.default_rng([3, 1, int(uid)])
-        if kind == "gaussian":
-            x = rng.standard_normal((8, 6))
-        elif kind == "rademacher":
-            x = rng.integers(0, 2, size=(8, 6)) * 2.0 - 1.0
-        else:
-            x = rng.uniform(-np.sqrt(3.0), np.sqrt(3.0), size=(8, 6))
-        noise = rng.standard_normal(8) * 0.1
-        v = np.random.default_rng([3, 0, 1, int(uid)]).standard_normal(2)
-        assert np.array_equal(data.features[row], x)
-        assert np.array_equal(data.true_local_vectors[row], v)
-        assert np.allclose(data.labels[row], x @ (u_star @ v) + noise, rtol=0, atol=1e-12)
+    problem = SyntheticProblem(900, 7, 2, 10, 0.1, seed=4)
+    CACHE.clear()
+    ids = np.arange(100, 700)
+    full = cohort_data(problem, ids)
+    s0 = cohort_data(problem, ids, part="s0")
+    (x0, y0), _ = full.split_halves()
+    assert np.array_equal(s0.features, x0) and np.array_equal(s0.labels, y0)
+    assert np.array_equal(s0.user_ids, ids)
+    with pytest.raises(ValueError, match="part"):
+        cohort_data(problem, ids, part="s1")
+
+
+def test_float32_data_is_the_float64_data_rounded_and_moves_metrics_by_rounding_only():
+    from fedpriv.cohorts import cohort_data
+    from fedpriv.data.synthetic import SyntheticProblem
+
+    problem = SyntheticProblem(500, 8, 2, 10, 0.1, seed=5)
+    rounded = SyntheticProblem(500, 8, 2, 10, 0.1, seed=5, dtype="float32")
+    CACHE.clear()
+    ids = np.arange(500)
+    exact, small = cohort_data(problem, ids), cohort_data(rounded, ids)
+    assert small.features.dtype == np.float64  # computed on in float64
+    assert np.array_equal(small.features, exact.features.astype(np.float32))
+    assert np.array_equal(small.labels, exact.labels.astype(np.float32))
+    cached = {k[-1]: b for k, b in CACHE._blocks.items() if k[0] == rounded}
+    assert cached["all"].features.dtype == np.float32  # kept in float32: half the bytes
+    base = {"num-users": 2000, "dim": 30, "rounds": 3}  # m < d: well-posed local fits
+    r64 = run_in_process(RunConfig.from_mapping(base), log=lambda _: None)
+    r32 = run_in_process(RunConfig.from_mapping({**base, "data-dtype": "float32"}),
+                         log=lambda _: None)
+    assert r32["privacy"] == r64["privacy"]
+    for key in ("population_mse", "test_mse", "local_only_mse"):
+        assert r32["metrics"][key] == pytest.approx(r64["metrics"][key], rel=1e-5), key
+        assert r32["metrics"][key] != r64["metrics"][key], key  # the rounding is real
+    with pytest.raises(ValueError, match="data-dtype"):
+        RunConfig.from_mapping({**base, "data-dtype": "float16"})

@@ -46,6 +46,16 @@ def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_en
                                                         "round-3"]
     assert all(r["nodes_answered"] == 4 for r in results["rounds"])
     assert "epsilon_spent=" in proc.stdout  # per-round progress was shown
+    # where the time went (benchmarks/profile_flower.py), in the operator report only
+    profile = results["profile"]
+    assert [s["step"] for s in profile["steps"]] == ["init", "round-1", "round-2", "round-3",
+                                                     "final"]
+    assert all(0 < s["nodes_compute_s"] and 0 <= s["server_s"] < s["wall_s"]
+               for s in profile["steps"])
+    assert (profile["serverapp_started_unix"] <= profile["nodes_discovered_unix"]
+            <= profile["steps_done_unix"])
+    release = json.loads((tmp_path / "results.release.json").read_text())
+    assert "profile" not in release and "profile" not in json.dumps(release)
     # the local SuperLink the CLI started has been stopped
     assert not _port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
 

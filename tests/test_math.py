@@ -111,3 +111,43 @@ def test_noiseless_fedrep_rounds_recover_the_embedding():
         grads = fedrep.user_gradients(u, x0, y0, data.user_ids, 0, t, 5)
         u = fedrep.server_update(u, grads.mean(0), 0.5)
     assert subspace_distance(u, truth) < min(0.05, start)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_factored_gradients_are_the_gradients_on_the_gathered_batches(rng, batch_size):
+    """``gradient_factors`` works on X U and a residual weight matrix instead of copying the
+    batches; the gradients and their clipped sum must be those of the direct formula."""
+    from fedpriv.privacy.mechanisms import clipped_sum
+    from fedpriv.randomness import user_permutations
+
+    problem = SyntheticProblem(400, 8, 2, 20, 0.1, "gaussian", seed=2)
+    data = generate_users(problem, np.arange(400))
+    (x0, y0), _ = data.split_halves()
+    u = orthonormalize(rng.standard_normal((8, 2)))
+    grads = fedrep.user_gradients(u, x0, y0, data.user_ids, 3, 4, batch_size)
+    perm = user_permutations(3, fedrep.BATCH_PURPOSE, 4, data.user_ids, x0.shape[1])
+    first, second = perm[:, :batch_size], perm[:, batch_size:2 * batch_size]
+    rows = np.arange(400)[:, None]
+    direct = fedrep.embedding_gradients(u, x0[rows, first], y0[rows, first], x0[rows, second],
+                                        y0[rows, second])
+    np.testing.assert_allclose(grads, direct, rtol=1e-9, atol=1e-12)
+    clip = float(np.median(np.linalg.norm(direct.reshape(400, -1), axis=1)))
+    total, clipped = fedrep.clipped_gradient_sum(u, x0, y0, data.user_ids, 3, 4, batch_size,
+                                                 clip)
+    ref_total, ref_clipped = clipped_sum(direct, clip)
+    np.testing.assert_allclose(total, ref_total, rtol=1e-9, atol=1e-12)
+    assert clipped == ref_clipped and 150 < clipped < 250
+
+
+def test_least_squares_is_the_pseudo_inverse_solution_including_degenerate_users(rng):
+    """The Gram/inverse fast path of ``least_squares`` against ``pinv``: tall, square and wide
+    designs, with rank-deficient and ill-conditioned users mixed in (they take ``pinv``)."""
+    for b, k in [(5, 2), (2, 2), (10, 50), (1, 2)]:
+        design = rng.standard_normal((300, b, k))
+        design[7] = 0.0  # singular
+        design[8, :, 0] = design[8, :, -1] if k > 1 else 0.0  # repeated column
+        design[9] *= np.logspace(0, -9, k)[None, :]  # ill-conditioned
+        targets = rng.standard_normal((300, b))
+        expected = np.einsum("nkb,nb->nk", np.linalg.pinv(design), targets)
+        np.testing.assert_allclose(least_squares(design, targets), expected, rtol=1e-7,
+                                   atol=1e-9)

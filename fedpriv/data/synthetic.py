@@ -16,6 +16,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from fedpriv.data.streams import StreamWriter, pcg64_states
+
 FEATURE_FAMILIES = ("gaussian", "rademacher", "uniform", "mixed")
 """Sub-Gaussian feature families with identity covariance. ``mixed`` gives each user one of the
 other three, chosen from its own seed, so users have different feature distributions."""
@@ -46,8 +48,12 @@ class SyntheticProblem:
     label_noise: float
     feature_dist: str = "gaussian"
     seed: int = 0
+    dtype: str = "float64"
+    """``float32``: points are drawn in float64 and stored rounded to float32."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float64", "float32"):
+            raise ValueError(f"dtype must be float64 or float32, got {self.dtype!r}")
         if self.feature_dist not in FEATURE_FAMILIES:
             raise ValueError(
                 f"feature_dist must be one of {FEATURE_FAMILIES}, got {self.feature_dist!r}"
@@ -96,19 +102,15 @@ def _draw_features(rng: np.random.Generator, family: str, shape: tuple[int, int]
     raise ValueError(f"unknown feature family {family!r}")
 
 
-def _user_family(problem: SyntheticProblem, rng: np.random.Generator) -> str:
-    if problem.feature_dist == "mixed":
-        return _PURE_FAMILIES[int(rng.integers(0, len(_PURE_FAMILIES)))]
-    return problem.feature_dist
-
-
-def _rng(*key: int) -> np.random.Generator:
-    """``np.random.default_rng(list(key))``, built directly (a third cheaper per user)."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(key))))
-
-
-def _true_local_vector(problem: SyntheticProblem, user_id: int) -> np.ndarray:
-    return _rng(problem.seed, _STREAM_TRUTH, 1, int(user_id)).standard_normal(problem.rank)
+def _user_families(problem: SyntheticProblem, user_ids: np.ndarray,
+                   writer: StreamWriter) -> list[str]:
+    """Each user's feature family: ``feature_dist``, or for ``mixed`` one of the pure families
+    drawn from the user's own stream ``(seed, truth, 2, user)``."""
+    if problem.feature_dist != "mixed":
+        return [problem.feature_dist] * len(user_ids)
+    states = pcg64_states((problem.seed, _STREAM_TRUTH, 2), user_ids)
+    return [_PURE_FAMILIES[int(writer.start(state).integers(0, len(_PURE_FAMILIES)))]
+            for state in states]
 
 
 _V_BLOCK = 4096  # users per block of cached v*
@@ -116,9 +118,13 @@ _V_BLOCK = 4096  # users per block of cached v*
 
 @lru_cache(maxsize=1024)
 def _local_vector_block(problem: SyntheticProblem, first: int) -> np.ndarray:
-    """``v*_i`` of the users ``first .. first + _V_BLOCK - 1``, drawn once per process."""
-    last = min(first + _V_BLOCK, problem.num_users)
-    vectors = np.array([_true_local_vector(problem, uid) for uid in range(first, last)])
+    """``v*_i ~ N(0, I_k)`` of the users ``first .. first + _V_BLOCK - 1``, each from its own
+    stream ``(seed, truth, 1, user)``, drawn once per process."""
+    ids = np.arange(first, min(first + _V_BLOCK, problem.num_users))
+    vectors = np.empty((len(ids), problem.rank))
+    writer = StreamWriter()
+    for row, state in enumerate(pcg64_states((problem.seed, _STREAM_TRUTH, 1), ids)):
+        writer.start(state).standard_normal(out=vectors[row])
     vectors.setflags(write=False)
     return vectors
 
@@ -149,6 +155,10 @@ def generate_users(
     ``purpose`` (one of ``PURPOSES``) names the stream instead: ``"validation"`` gives the user's
     held-back validation points, a stream of its own (seeded by ``(seed, user)``, independent of
     its training and test points).
+
+    User ``u``'s points are its features, then its label noise, drawn from
+    ``np.random.default_rng([seed, stream, u])``; ``fedpriv.data.streams`` starts those streams
+    for a whole block at once (the same draws, without a generator object per user).
     """
     user_ids = np.asarray(user_ids, dtype=np.int64)
     if user_ids.size and (user_ids.min() < 0 or user_ids.max() >= problem.num_users):
@@ -162,17 +172,22 @@ def generate_users(
         purpose = "test" if fresh else "train"
     if purpose not in _STREAMS:
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
-    stream = _STREAMS[purpose]
-    mixed = problem.feature_dist == "mixed"
-    for row, uid in enumerate(user_ids):
-        family = (_user_family(problem, _rng(problem.seed, _STREAM_TRUTH, 2, int(uid)))
-                  if mixed else problem.feature_dist)
-        rng = _rng(problem.seed, stream, int(uid))
-        features[row] = _draw_features(rng, family, (m, d))
-        noise[row] = rng.standard_normal(m) * problem.label_noise
+    writer = StreamWriter()
+    families = _user_families(problem, user_ids, writer)
+    states = pcg64_states((problem.seed, _STREAMS[purpose]), user_ids)
+    for row, family in enumerate(families):
+        rng = writer.start(states[row])
+        if family == "gaussian":
+            rng.standard_normal(out=features[row])
+        else:
+            features[row] = _draw_features(rng, family, (m, d))
+        rng.standard_normal(out=noise[row])
+    noise *= problem.label_noise
     local_vectors = _true_local_vectors(problem, user_ids)
     w_star = local_vectors @ u_star.T  # (n, d)
     labels = np.einsum("nmd,nd->nm", features, w_star) + noise
+    if problem.dtype == "float32":
+        features, labels = features.astype(np.float32), labels.astype(np.float32)
     return UserData(user_ids, features, labels, local_vectors)
 
 

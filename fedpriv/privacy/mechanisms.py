@@ -17,9 +17,13 @@ def norms(values: np.ndarray) -> np.ndarray:
 
 def clip_factors(values: np.ndarray, clip_norm: float) -> np.ndarray:
     """``min(1, clip_norm / ||values[i]||)`` per entry; exactly 1 for an all-zero entry."""
+    return factors_from_norms(norms(values), clip_norm)
+
+
+def factors_from_norms(n: np.ndarray, clip_norm: float) -> np.ndarray:
+    """``min(1, clip_norm / n_i)`` for entries of norms ``n``; exactly 1 for a zero norm."""
     if clip_norm <= 0:
         raise ValueError(f"clip_norm must be positive, got {clip_norm}")
-    n = norms(values)
     factors = np.ones_like(n)
     np.divide(clip_norm, n, out=factors, where=n > clip_norm)
     return factors

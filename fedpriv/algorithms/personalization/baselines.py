@@ -150,7 +150,8 @@ class DPGlobalModel(Algorithm):
             models = np.broadcast_to(model, (len(user_ids), config.dim))
             metrics = evaluate_models(problem, user_ids, models, config.test_samples_per_user)
             return UserContribution({}, len(user_ids), 0, metrics)
-        (x0, y0), _ = cohort_data(problem, user_ids).split_halves()
+        s0 = cohort_data(problem, user_ids, part="s0")
+        x0, y0 = s0.features, s0.labels
         residual = np.einsum("nmd,d->nm", x0, model) - y0
         grads = (2.0 / x0.shape[1]) * np.einsum("nmd,nm->nd", x0, residual)
         total, clipped = clipped_sum(grads, step.parts[0].clip_norm)

@@ -83,6 +83,8 @@ class EmbeddingAlgorithm(Algorithm):
     @classmethod
     def round_contribution(cls, config: Any, step: Step, embedding: np.ndarray,
                            data: Any) -> UserContribution:
+        """The users' answer to a round; ``data`` holds their ``S0`` (the first half of their
+        training points: rounds never read the held-back half)."""
         raise NotImplementedError
 
     # ----- the shared skeleton ---------------------------------------------------------------
@@ -147,13 +149,15 @@ class EmbeddingAlgorithm(Algorithm):
         cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
     ) -> UserContribution:
         problem = problem_of(config)
-        if step.is_final:
-            models = embedding_models(problem, arrays["embedding"], user_ids)
-            metrics = evaluate_models(problem, user_ids, models, config.test_samples_per_user)
+        if step.is_final:  # the users' data is fetched once for the fit and the metrics
+            data = cohort_data(problem, user_ids)
+            models = embedding_models(problem, arrays["embedding"], user_ids, data)
+            metrics = evaluate_models(problem, user_ids, models, config.test_samples_per_user,
+                                      data)
             return UserContribution({}, len(user_ids), 0, metrics)
-        data = cohort_data(problem, user_ids)
+        data = cohort_data(problem, user_ids, part="s0")  # init and rounds read S0 only
         if step.kind == "init":
-            (x0, y0), _ = data.split_halves()
+            x0, y0 = data.features, data.labels
             if cls.init_method(config) == "u-statistic":
                 total, clipped = init_math.clipped_u_statistic_sum(x0, y0,
                                                                    step.parts[0].clip_norm)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedpriv.algorithms.personalization.linear_math import top_eigenvectors
-from fedpriv.privacy.mechanisms import clipped_sum
+from fedpriv.privacy.mechanisms import clipped_sum, factors_from_norms
 
 
 def u_statistics(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -26,19 +26,36 @@ def u_statistics(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return outer / (m * (m - 1))
 
 
+def u_statistic_norms(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """``||Z_i||_F`` for each user without forming ``Z_i``: with ``A`` the (m, d) matrix of
+    rows ``a_j`` and ``s = A^T 1``, ``||s s^T - A^T A||_F^2 = ||s||^4 - 2 ||A s||^2 +
+    ||A A^T||_F^2`` (an m x m Gram matrix instead of a d x d one)."""
+    m = features.shape[1]
+    weighted = features * labels[:, :, None]
+    total = weighted.sum(axis=1)
+    s2 = np.einsum("ni,ni->n", total, total)
+    a_s = np.einsum("nmd,nd->nm", weighted, total)
+    gram = weighted @ weighted.transpose(0, 2, 1)
+    square = s2 * s2 - 2.0 * np.einsum("nm,nm->n", a_s, a_s) + np.einsum("nij,nij->n", gram,
+                                                                        gram)
+    return np.sqrt(np.maximum(square, 0.0)) / (m * (m - 1))
+
+
 def clipped_u_statistic_sum(
-    features: np.ndarray, labels: np.ndarray, clip_norm: float, chunk: int = 2048
+    features: np.ndarray, labels: np.ndarray, clip_norm: float
 ) -> tuple[np.ndarray, int]:
-    """Sum over users of ``clip(Z_i, clip_norm)``, computed in chunks to bound memory."""
-    d = features.shape[2]
-    total = np.zeros((d, d))
-    clipped = 0
-    for start in range(0, features.shape[0], chunk):
-        z = u_statistics(features[start : start + chunk], labels[start : start + chunk])
-        part, count = clipped_sum(z, clip_norm)
-        total += part
-        clipped += count
-    return total, clipped
+    """Sum over users of ``clip(Z_i, clip_norm)``: the clip factors ``f_i`` from
+    ``u_statistic_norms``, then ``sum_i f_i Z_i = (S^T F S - sum_i f_i A_i^T A_i) / (m(m-1))``
+    as two matrix products over the block (never an (n, d, d) array)."""
+    n, m, d = features.shape
+    if m < 2:
+        raise ValueError(f"the U-statistic needs at least 2 samples per user, got {m}")
+    factors = factors_from_norms(u_statistic_norms(features, labels), clip_norm)
+    weighted = features * labels[:, :, None]  # a_j, (n, m, d)
+    total = weighted.sum(axis=1)
+    flat = weighted.reshape(n * m, d)
+    outer = total.T @ (total * factors[:, None]) - flat.T @ (flat * np.repeat(factors, m)[:, None])
+    return outer / (m * (m - 1)), int(np.count_nonzero(factors < 1.0))
 
 
 def server_init(noisy_mean: np.ndarray, rank: int) -> np.ndarray:

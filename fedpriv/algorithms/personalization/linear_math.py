@@ -4,14 +4,53 @@ from __future__ import annotations
 
 import numpy as np
 
+_COND_LIMIT = 1e6
+"""Users whose matrix (``D`` when square, else its Gram matrix) has an estimated condition
+number above this are solved by ``pinv``: squaring the condition number would cost digits."""
+
 
 def least_squares(design: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Minimum-norm least squares per user: ``argmin_v ||targets - design v||``.
 
     ``design`` is (n, b, k), ``targets`` (n, b); returns (n, k). When b < k the problem is
     underdetermined and the minimum-norm solution is returned (the pseudo-inverse).
+
+    For a full-rank ``D`` the pseudo-inverse solution is ``D^{-1} y`` (b = k),
+    ``D^T (D D^T)^{-1} y`` (b < k) or ``(D^T D)^{-1} D^T y`` (b > k): a batched small inverse
+    instead of a batched SVD (several times faster at the paper setting). Users whose inverted
+    matrix is singular or ill-conditioned (estimated condition number ``||M||_F ||M^-1||_F``
+    above 1e6) are solved with ``np.linalg.pinv`` as before, so the answers agree with it to
+    about 1e-10 relative.
     """
-    return np.einsum("nkb,nb->nk", np.linalg.pinv(design), targets)
+    n, b, k = design.shape
+    if n == 0:
+        return np.zeros((0, k))
+    if b == k:
+        matrix = design
+    elif b < k:
+        matrix = design @ design.transpose(0, 2, 1)
+    else:
+        matrix = design.transpose(0, 2, 1) @ design
+    try:
+        inverse = np.linalg.inv(matrix)
+        cond = (np.sqrt(np.einsum("nij,nij->n", matrix, matrix))
+                * np.sqrt(np.einsum("nij,nij->n", inverse, inverse)))
+        bad = ~(cond <= _COND_LIMIT)  # NaN and inf included
+    except np.linalg.LinAlgError:  # a singular matrix in the batch
+        inverse, bad = None, np.ones(n, dtype=bool)
+    out = np.empty((n, k))
+    good = ~bad
+    if inverse is not None and good.any():
+        d, y, inv = design[good], targets[good], inverse[good]
+        if b == k:
+            out[good] = np.einsum("nij,nj->ni", inv, y)
+        elif b < k:
+            out[good] = np.einsum("nbk,nb->nk", d, np.einsum("nij,nj->ni", inv, y))
+        else:
+            out[good] = np.einsum("nij,nj->ni", inv, np.einsum("nbk,nb->nk", d, y))
+    if bad.any():
+        out[bad] = np.einsum("nkb,nb->nk", np.linalg.pinv(design[bad]), targets[bad])
+    return out
 
 
 def local_vectors(embedding: np.ndarray, features: np.ndarray, labels: np.ndarray) -> np.ndarray:

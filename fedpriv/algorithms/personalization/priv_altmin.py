@@ -104,7 +104,7 @@ class PrivAltMin(EmbeddingAlgorithm):
     @classmethod
     def round_contribution(cls, config: Any, step: Step, embedding: np.ndarray,
                            data: Any) -> UserContribution:
-        (x0, y0), _ = data.split_halves()
+        x0, y0 = data.features, data.labels  # the users' S0
         cov, corr, clipped = altmin.sufficient_statistics(
             embedding, x0, y0, clip_or_inf(config, config.feature_clip),
             clip_or_inf(config, config.response_clip))

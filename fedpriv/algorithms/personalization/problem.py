@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.personalization.linear_math import local_vectors
+from fedpriv.algorithms.personalization.linear_math import least_squares, local_vectors
 from fedpriv.cohorts import cohort_data
-from fedpriv.data.synthetic import SyntheticProblem, true_user_models
+from fedpriv.data.synthetic import SyntheticProblem, UserData, true_user_models
 
 
 def problem_of(config: Any) -> SyntheticProblem:
@@ -27,6 +27,7 @@ def problem_of(config: Any) -> SyntheticProblem:
         label_noise=config.label_noise,
         feature_dist="gaussian" if config.feature_dist == "auto" else config.feature_dist,
         seed=config.seed,
+        dtype=config.data_dtype,
     )
 
 
@@ -36,21 +37,22 @@ def clip_or_inf(config: Any, value: float) -> float:
 
 
 def evaluate_models(
-    problem: SyntheticProblem, user_ids: np.ndarray, models: np.ndarray, test_samples: int
+    problem: SyntheticProblem, user_ids: np.ndarray, models: np.ndarray, test_samples: int,
+    data: UserData | None = None,
 ) -> dict[str, float]:
     """Metric sums over users of their final regression vectors ``models`` (n, d).
 
     With zero-mean, identity-covariance features the population MSE of ``w`` for user i is
     exactly ``R^2 + ||w - w*_i||^2``; ``test_se`` is the empirical squared error on fresh samples;
     ``local_excess`` is the user alone (minimum-norm least squares on all its m samples), reported
-    with every run as the reference.
+    with every run as the reference. ``data``: the users' training data, if the caller has it.
     """
-    data = cohort_data(problem, user_ids)
+    data = cohort_data(problem, user_ids) if data is None else data
     w_star = true_user_models(problem, data.true_local_vectors)
     return {
         "excess": float(((models - w_star) ** 2).sum()),
         "test_se": float(user_test_mse(problem, user_ids, models, test_samples).sum()),
-        "local_excess": float(((local_models(problem, user_ids) - w_star) ** 2).sum()),
+        "local_excess": float(((local_models(problem, user_ids, data) - w_star) ** 2).sum()),
     }
 
 
@@ -87,17 +89,20 @@ def evaluation_mse(config: Any, user_ids: np.ndarray,
     return {name: user_test_mse(problem_of(config), user_ids, models, samples, purpose)}
 
 
-def local_models(problem: SyntheticProblem, user_ids: np.ndarray) -> np.ndarray:
+def local_models(problem: SyntheticProblem, user_ids: np.ndarray,
+                 data: UserData | None = None) -> np.ndarray:
     """Each user alone: minimum-norm least squares on all its m samples, (n, d)."""
-    data = cohort_data(problem, user_ids)
-    return np.einsum("ndm,nm->nd", np.linalg.pinv(data.features), data.labels)
+    data = cohort_data(problem, user_ids) if data is None else data
+    return least_squares(data.features, data.labels)
 
 
 def embedding_models(
-    problem: SyntheticProblem, embedding: np.ndarray, user_ids: np.ndarray
+    problem: SyntheticProblem, embedding: np.ndarray, user_ids: np.ndarray,
+    data: UserData | None = None,
 ) -> np.ndarray:
     """``U v_i`` with ``v_i`` fitted on the user's held-back half ``S1``, (n, d)."""
-    _, (x1, y1) = cohort_data(problem, user_ids).split_halves()
+    data = cohort_data(problem, user_ids) if data is None else data
+    _, (x1, y1) = data.split_halves()
     return local_vectors(embedding, x1, y1) @ embedding.T
 
 
