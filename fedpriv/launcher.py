@@ -84,6 +84,14 @@ def stop_local_superlink(port: int) -> None:
 NO_RUNTIME_INSTALL = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
 
 
+def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
+    """``env`` with each of ``actors`` ClientApp actors given its share of the default data
+    cache (``FEDPRIV_CACHE_MB``), unless the user set one: the processes that start actors
+    (the SuperLink that ``flwr run`` starts, a session's Ray head) pass it on to them."""
+    env.setdefault(CACHE_MB_ENV, str(max(64, DEFAULT_CACHE_MB // max(1, actors))))
+    return env
+
+
 def _superlink_port() -> int:
     return int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
 
@@ -126,7 +134,8 @@ class FlowerSession:
              f"--ray-client-server-port={_free_port()}",
              f"--dashboard-agent-listen-port={_free_port()}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+            env=with_cache_share({**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+                                 self.num_cpus))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             text = Path(self._tmp, "head.log").read_text(errors="replace")
@@ -189,10 +198,9 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
             lines.append(f"{key} = {toml_value(value)}")
         run_config.write_text("\n".join(lines) + "\n")
         # one ClientApp actor per core (Flower's default gives each actor 2 CPUs: one actor
-        # on a 2-core machine), each with its share of the data cache unless one is set
+        # on a 2-core machine), each with its share of the data cache
         federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
-        actors = min(nodes, os.cpu_count() or 1)
-        env.setdefault(CACHE_MB_ENV, str(max(64, DEFAULT_CACHE_MB // actors)))
+        with_cache_share(env, min(nodes, os.cpu_count() or 1))
         if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
                 not ray_address):  # an existing cluster's CPUs are its own
             # a simulated node that times out holds its worker for node-timeout seconds:

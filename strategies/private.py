@@ -8,6 +8,7 @@ while ``configure_train``/``aggregate_train`` do the per-step work. The privacy-
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -50,6 +51,16 @@ def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         time.sleep(1.0)
 
 
+def _seconds(reply: Message, key: str) -> float:
+    """A node's own timing from its reply, for the profile only: the node's word, so anything
+    but a finite number in [0, 1e6] counts as 0 (an error reply has none)."""
+    try:
+        value = float(reply.content[P.METRICS][key])
+    except Exception:  # noqa: BLE001 -- an error reply, a missing or malformed value
+        return 0.0
+    return value if math.isfinite(value) and 0.0 <= value <= 1e6 else 0.0
+
+
 def _count(value: object) -> int:
     """A user count from a MetricRecord: a non-negative integer (a float must be integral)."""
     number = float(value)  # type: ignore[arg-type]
@@ -90,23 +101,19 @@ class PrivateStrategy(Strategy):
             node = reply.metadata.src_node_id
             answered.add(node)
             node_replies.append(self._to_node_reply(self.partitions.get(node, -1), reply))
-            try:  # timings are the node's word, for the profile only: never trusted
-                metrics = reply.content[P.METRICS]
-                compute.append(min(max(float(metrics[P.KEY_COMPUTE_S]), 0.0), 1e6))
-                decode.append(min(max(float(metrics[P.KEY_DECODE_S]), 0.0), 1e6))
-            except Exception:  # noqa: BLE001 -- an error reply or a node that sends none
-                pass
+            compute.append(_seconds(reply, P.KEY_COMPUTE_S))
+            decode.append(_seconds(reply, P.KEY_DECODE_S))
         for node, pid in self.partitions.items():
             if node not in answered:
                 node_replies.append(NodeReply(pid, error="no reply before the timeout",
                                               failure="timeout"))
         report = self.server.aggregate(self._step, node_replies, self._started)
         # where the step's time went (operator report only; see benchmarks/profile_flower.py)
-        self.profile.append({"step": self._step.label,
-                             "wall_s": time.perf_counter() - self._started,
-                             "nodes_compute_s": sum(compute), "max_node_compute_s":
-                             max(compute, default=0.0), "nodes_decode_s": sum(decode),
-                             "server_s": time.perf_counter() - received})
+        done = time.perf_counter()
+        self.profile.append({"step": self._step.label, "wall_s": done - self._started,
+                             "nodes_compute_s": sum(compute),
+                             "max_node_compute_s": max(compute, default=0.0),
+                             "nodes_decode_s": sum(decode), "server_s": done - received})
         return None, MetricRecord({k: float(v) for k, v in report.items()
                                    if isinstance(v, (int, float))})
 

@@ -111,3 +111,11 @@ def test_float32_data_is_the_float64_data_rounded_and_moves_metrics_by_rounding_
         assert r32["metrics"][key] != r64["metrics"][key], key  # the rounding is real
     with pytest.raises(ValueError, match="data-dtype"):
         RunConfig.from_mapping({**base, "data-dtype": "float16"})
+
+
+def test_flower_actors_get_a_share_of_the_default_cache_unless_one_is_set():
+    from fedpriv.launcher import with_cache_share
+
+    assert with_cache_share({}, 2) == {cohorts.CACHE_MB_ENV: str(cohorts.DEFAULT_CACHE_MB // 2)}
+    assert with_cache_share({}, 1000)[cohorts.CACHE_MB_ENV] == "64"
+    assert with_cache_share({cohorts.CACHE_MB_ENV: "300"}, 2) == {cohorts.CACHE_MB_ENV: "300"}

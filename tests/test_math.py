@@ -9,6 +9,7 @@ from fedpriv.algorithms.personalization.linear_math import (
     subspace_distance,
 )
 from fedpriv.data import SyntheticProblem, generate_users, ground_truth_embedding
+from fedpriv.privacy.mechanisms import clipped_sum
 from fedpriv.randomness import user_uniforms
 
 
@@ -108,7 +109,8 @@ def test_noiseless_fedrep_rounds_recover_the_embedding():
     u = private_init.server_init(stats / 3000, 2)
     start = subspace_distance(u, truth)
     for t in range(10):
-        grads = fedrep.user_gradients(u, x0, y0, data.user_ids, 0, t, 5)
+        g, v = fedrep.gradient_factors(u, x0, y0, data.user_ids, 0, t, 5)
+        grads = g[:, :, None] * v[:, None, :]
         u = fedrep.server_update(u, grads.mean(0), 0.5)
     assert subspace_distance(u, truth) < min(0.05, start)
 
@@ -117,14 +119,15 @@ def test_noiseless_fedrep_rounds_recover_the_embedding():
 def test_factored_gradients_are_the_gradients_on_the_gathered_batches(rng, batch_size):
     """``gradient_factors`` works on X U and a residual weight matrix instead of copying the
     batches; the gradients and their clipped sum must be those of the direct formula."""
-    from fedpriv.privacy.mechanisms import clipped_sum
+    from fedpriv.privacy.mechanisms import clipped_outer_sum, clipped_sum
     from fedpriv.randomness import user_permutations
 
     problem = SyntheticProblem(400, 8, 2, 20, 0.1, "gaussian", seed=2)
     data = generate_users(problem, np.arange(400))
     (x0, y0), _ = data.split_halves()
     u = orthonormalize(rng.standard_normal((8, 2)))
-    grads = fedrep.user_gradients(u, x0, y0, data.user_ids, 3, 4, batch_size)
+    g, v = fedrep.gradient_factors(u, x0, y0, data.user_ids, 3, 4, batch_size)
+    grads = g[:, :, None] * v[:, None, :]
     perm = user_permutations(3, fedrep.BATCH_PURPOSE, 4, data.user_ids, x0.shape[1])
     first, second = perm[:, :batch_size], perm[:, batch_size:2 * batch_size]
     rows = np.arange(400)[:, None]
@@ -132,8 +135,7 @@ def test_factored_gradients_are_the_gradients_on_the_gathered_batches(rng, batch
                                         y0[rows, second])
     np.testing.assert_allclose(grads, direct, rtol=1e-9, atol=1e-12)
     clip = float(np.median(np.linalg.norm(direct.reshape(400, -1), axis=1)))
-    total, clipped = fedrep.clipped_gradient_sum(u, x0, y0, data.user_ids, 3, 4, batch_size,
-                                                 clip)
+    total, clipped = clipped_outer_sum(g, v, clip)
     ref_total, ref_clipped = clipped_sum(direct, clip)
     np.testing.assert_allclose(total, ref_total, rtol=1e-9, atol=1e-12)
     assert clipped == ref_clipped and 150 < clipped < 250
@@ -151,3 +153,39 @@ def test_least_squares_is_the_pseudo_inverse_solution_including_degenerate_users
         expected = np.einsum("nkb,nb->nk", np.linalg.pinv(design), targets)
         np.testing.assert_allclose(least_squares(design, targets), expected, rtol=1e-7,
                                    atol=1e-9)
+
+
+def test_clipped_u_statistic_sum_is_the_sum_of_clipped_u_statistics(rng):
+    problem = SyntheticProblem(600, 12, 2, 10, 0.1, "gaussian", seed=3)
+    data = generate_users(problem, np.arange(600))
+    (x0, y0), _ = data.split_halves()
+    z = private_init.u_statistics(x0, y0)
+    clip = float(np.median(np.linalg.norm(z.reshape(600, -1), axis=1)))
+    total, clipped = private_init.clipped_u_statistic_sum(x0, y0, clip)
+    ref_total, ref_clipped = clipped_sum(z, clip)
+    np.testing.assert_allclose(total, ref_total, rtol=1e-9, atol=1e-12)
+    assert clipped == ref_clipped and 250 < clipped < 350
+
+
+def test_a_cancelling_u_statistic_is_still_clipped_to_the_clip_norm(rng):
+    """One huge sample and one tiny one: ``||s||^4 - 2||As||^2 + ||AA^T||^2`` cancels to
+    rounding noise (the plain formula gives 0 for most such users, which would leave them
+    unclipped); the bound with the rounding slack must keep every user's clipped ``Z`` within
+    the clip norm, the sensitivity the accountant assumes."""
+    m, d = 5, 50
+    plain_too_small = 0
+    for _ in range(200):
+        x, y = np.zeros((1, m, d)), np.ones((1, m))
+        x[0, 0] = rng.standard_normal(d) * 1e4
+        x[0, 1] = rng.standard_normal(d) * 1e-5
+        true = float(np.linalg.norm(private_init.u_statistics(x, y)))
+        w = x * y[:, :, None]
+        s = w.sum(axis=1)
+        gram = w @ w.transpose(0, 2, 1)
+        plain = (np.einsum("ni,ni->n", s, s) ** 2
+                 - 2 * np.sum(np.einsum("nmd,nd->nm", w, s) ** 2) + np.sum(gram ** 2))[0]
+        plain_too_small += np.sqrt(max(plain, 0.0)) / (m * (m - 1)) < 0.99 * true
+        clip = true / 2
+        out, clipped = private_init.clipped_u_statistic_sum(x, y, clip)
+        assert clipped == 1 and np.linalg.norm(out) <= clip * (1 + 1e-9)
+    assert plain_too_small > 50  # the hazard is real at this scale

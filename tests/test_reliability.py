@@ -309,6 +309,28 @@ def test_a_hostile_node_is_rejected_and_counted_and_the_run_goes_on(task_identit
     assert release_record(results) == release_record(_honest_run(algorithm))
 
 
+@pytest.mark.parametrize("timing", [float("nan"), float("inf"), -5.0, 1e30])
+def test_a_nodes_bogus_timing_is_ignored_by_the_profile_not_the_run(task_identity, timing):
+    """Timings are the node's word, for the operator profile only: a hostile value counts as
+    0 and changes nothing else (the update itself is honest, so it is used)."""
+    config = make_config("private-fedrep")
+
+    def tamper(request: Message, reply: Message) -> list[Message]:
+        metrics = {**dict(reply.content[P.METRICS]), P.KEY_COMPUTE_S: timing}
+        return [Message(c, reply_to=request) for c in _rebuilt(reply, metrics=metrics)]
+
+    from strategies.private import PrivateStrategy
+
+    grid = LoopbackGrid(config, 4, tamper)
+    strategy = PrivateStrategy(config, {node: p for p, node in enumerate(grid.contexts)})
+    strategy.server.log = lambda _: None
+    results = strategy.run(grid)
+    assert results["rejections"] == {}
+    assert all(np.isfinite(s["nodes_compute_s"]) and 0 <= s["nodes_compute_s"] < 1e6
+               for s in strategy.profile)
+    assert release_record(results) == release_record(_honest_run("private-fedrep"))
+
+
 @functools.lru_cache(maxsize=None)
 def _honest_run(algorithm: str) -> dict:
     return quiet(make_config(algorithm), parts=4)

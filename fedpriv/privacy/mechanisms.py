@@ -45,6 +45,17 @@ def clipped_sum(values: np.ndarray, clip_norm: float) -> tuple[np.ndarray, int]:
     return total, int(np.count_nonzero(factors < 1.0))
 
 
+def clipped_outer_sum(left: np.ndarray, right: np.ndarray,
+                      clip_norm: float) -> tuple[np.ndarray, int]:
+    """``clipped_sum`` of rank-one entries ``left[i] right[i]^T`` without forming them:
+    ``||l r^T||_F = ||l|| ||r||``, and the clipped sum is ``(F l)^T r``, one (a x n) by (n x b)
+    product instead of an (n, a, b) array. ``left`` is (n, a), ``right`` (n, b)."""
+    entry_norms = np.sqrt(np.einsum("ni,ni->n", left, left)
+                          * np.einsum("nj,nj->n", right, right))
+    factors = factors_from_norms(entry_norms, clip_norm)
+    return (left * factors[:, None]).T @ right, int(np.count_nonzero(factors < 1.0))
+
+
 def gaussian_noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
     """I.i.d. N(0, std^2) noise of the given shape."""
     if std < 0:

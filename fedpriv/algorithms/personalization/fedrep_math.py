@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from fedpriv.algorithms.personalization.linear_math import least_squares, orthonormalize
-from fedpriv.privacy.mechanisms import factors_from_norms
 from fedpriv.randomness import user_permutations
 
 BATCH_PURPOSE = 1  # tag of the batch-sampling stream in fedpriv.randomness
@@ -87,6 +86,7 @@ def gradient_factors(
     """Algorithm 1, lines 5-7, for a cohort, in factored form: each user's gradient is the
     rank-one ``g_i v_i^T`` with ``g_i = -(2/b) X'^T r`` (d,) and ``v_i`` (k,) solved on the other
     batch; returns ``(g, v)``, (n, d) and (n, k). ``features``/``labels`` are the users' ``S0``.
+    The server's clipped sum of these is ``fedpriv.privacy.mechanisms.clipped_outer_sum``.
 
     Works on ``X U`` of all of ``S0`` (n, |S0|, k) and gathers the two batches from it, and
     writes the second batch's residuals into an (n, |S0|) weight matrix, so no batch of
@@ -100,41 +100,6 @@ def gradient_factors(
     weights = np.zeros(labels.shape)
     weights[rows, second] = residual * (-2.0 / batch_size)
     return np.einsum("nmd,nm->nd", features, weights), v
-
-
-def user_gradients(
-    embedding: np.ndarray,
-    features: np.ndarray,
-    labels: np.ndarray,
-    user_ids: np.ndarray,
-    seed: int,
-    round_index: int,
-    batch_size: int,
-) -> np.ndarray:
-    """Algorithm 1, lines 5-7, for a cohort: each user's gradient, (n, d, k)."""
-    g, v = gradient_factors(embedding, features, labels, user_ids, seed, round_index,
-                            batch_size)
-    return g[:, :, None] * v[:, None, :]
-
-
-def clipped_gradient_sum(
-    embedding: np.ndarray,
-    features: np.ndarray,
-    labels: np.ndarray,
-    user_ids: np.ndarray,
-    seed: int,
-    round_index: int,
-    batch_size: int,
-    clip_norm: float,
-) -> tuple[np.ndarray, int]:
-    """``sum_i clip(grad_i, clip_norm)`` and how many users were clipped. A rank-one gradient
-    has ``||g v^T||_F = ||g|| ||v||``, and the clipped sum is ``(F g)^T v``: one (d x n) by
-    (n x k) product, never an (n, d, k) array."""
-    g, v = gradient_factors(embedding, features, labels, user_ids, seed, round_index,
-                            batch_size)
-    norms = np.sqrt(np.einsum("nd,nd->n", g, g) * np.einsum("nk,nk->n", v, v))
-    factors = factors_from_norms(norms, clip_norm)
-    return (g * factors[:, None]).T @ v, int(np.count_nonzero(factors < 1.0))
 
 
 def server_update(

@@ -26,33 +26,41 @@ def u_statistics(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return outer / (m * (m - 1))
 
 
-def u_statistic_norms(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """``||Z_i||_F`` for each user without forming ``Z_i``: with ``A`` the (m, d) matrix of
-    rows ``a_j`` and ``s = A^T 1``, ``||s s^T - A^T A||_F^2 = ||s||^4 - 2 ||A s||^2 +
-    ||A A^T||_F^2`` (an m x m Gram matrix instead of a d x d one)."""
-    m = features.shape[1]
-    weighted = features * labels[:, :, None]
-    total = weighted.sum(axis=1)
+def _norm_bounds(weighted: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """An upper bound on ``||Z_i||_F`` for each user, without forming ``Z_i``: with ``A`` the
+    (m, d) matrix of rows ``a_j`` and ``s = A^T 1``, ``||s s^T - A^T A||_F^2 = ||s||^4 -
+    2 ||A s||^2 + ||A A^T||_F^2`` (an m x m Gram matrix instead of a d x d one).
+
+    The three terms can cancel (a user with one non-zero sample has ``Z = 0``), so the
+    computed square may be off by a few ulps of the terms' size. A norm that came out too small
+    would let the user's clipped ``Z`` exceed the clip norm, breaking the sensitivity the
+    accountant assumes; so the rounding error is added: each term is a sum of at most
+    ``m d + m^2`` products, whose floating-point error is below ``(m d + m^2 + 4) eps`` times
+    the sum of magnitudes (Higham, Thm. 3.5), taken here with a factor 16 to spare. Using an
+    upper bound only clips more: ``min(1, psi / bound) ||Z|| <= psi`` always."""
+    n, m, d = weighted.shape
     s2 = np.einsum("ni,ni->n", total, total)
     a_s = np.einsum("nmd,nd->nm", weighted, total)
     gram = weighted @ weighted.transpose(0, 2, 1)
-    square = s2 * s2 - 2.0 * np.einsum("nm,nm->n", a_s, a_s) + np.einsum("nij,nij->n", gram,
-                                                                        gram)
+    terms = (s2 * s2, 2.0 * np.einsum("nm,nm->n", a_s, a_s),
+             np.einsum("nij,nij->n", gram, gram))
+    slack = 16.0 * (m * d + m * m + 4) * np.finfo(np.float64).eps * sum(terms)
+    square = terms[0] - terms[1] + terms[2] + slack
     return np.sqrt(np.maximum(square, 0.0)) / (m * (m - 1))
 
 
 def clipped_u_statistic_sum(
     features: np.ndarray, labels: np.ndarray, clip_norm: float
 ) -> tuple[np.ndarray, int]:
-    """Sum over users of ``clip(Z_i, clip_norm)``: the clip factors ``f_i`` from
-    ``u_statistic_norms``, then ``sum_i f_i Z_i = (S^T F S - sum_i f_i A_i^T A_i) / (m(m-1))``
-    as two matrix products over the block (never an (n, d, d) array)."""
+    """Sum over users of ``clip(Z_i, clip_norm)``: clip factors ``f_i`` from an upper bound on
+    ``||Z_i||_F`` (``_norm_bounds``), then ``sum_i f_i Z_i = (S^T F S - sum_i f_i A_i^T A_i) /
+    (m(m-1))`` as two matrix products over the block (never an (n, d, d) array)."""
     n, m, d = features.shape
     if m < 2:
         raise ValueError(f"the U-statistic needs at least 2 samples per user, got {m}")
-    factors = factors_from_norms(u_statistic_norms(features, labels), clip_norm)
     weighted = features * labels[:, :, None]  # a_j, (n, m, d)
     total = weighted.sum(axis=1)
+    factors = factors_from_norms(_norm_bounds(weighted, total), clip_norm)
     flat = weighted.reshape(n * m, d)
     outer = total.T @ (total * factors[:, None]) - flat.T @ (flat * np.repeat(factors, m)[:, None])
     return outer / (m * (m - 1)), int(np.count_nonzero(factors < 1.0))

@@ -23,6 +23,7 @@ from fedpriv.algorithms.personalization.params import FEDREP
 from fedpriv.algorithms.personalization.problem import clip_or_inf
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
+from fedpriv.privacy.mechanisms import clipped_outer_sum
 
 
 def batch_size_of(config: Any) -> int:
@@ -70,10 +71,9 @@ class PrivateFedRep(EmbeddingAlgorithm):
     @classmethod
     def round_contribution(cls, config: Any, step: Step, embedding: np.ndarray,
                            data: Any) -> UserContribution:
-        x0, y0 = data.features, data.labels  # the users' S0
-        total, clipped = fedrep.clipped_gradient_sum(
-            embedding, x0, y0, data.user_ids, config.seed, step.index, batch_size_of(config),
-            step.parts[0].clip_norm)
+        g, v = fedrep.gradient_factors(embedding, data.features, data.labels, data.user_ids,
+                                       config.seed, step.index, batch_size_of(config))
+        total, clipped = clipped_outer_sum(g, v, step.parts[0].clip_norm)
         return UserContribution({"total": total}, len(data.user_ids), clipped)
 
 
