@@ -21,6 +21,8 @@ def tiny(name):
     family = {"rank": 1} if name.startswith("jl-exp") else {}
     if name.startswith(("meta", "private-meta", "dp-ftmrl", "ftmrl", "jl")):
         family["feature-dist"] = "unit-ball"
+    if name.startswith("deep"):  # real data: digits holds 1,437 training images
+        family.update({"num-users": 60, "users-per-node": 30, "hidden-sizes": "16"})
     return RunConfig.from_mapping(select_keys({**TINY, **family, "algorithm": name}))
 
 

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -142,3 +143,23 @@ def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flowe
     assert entry["chosen"] == local["privacy"]["ledger"][0]["chosen"]
     assert results["metrics"]["population_mse"] == pytest.approx(
         local["metrics"]["population_mse"], rel=1e-9)
+
+
+def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_env):
+    """Deep Private FedRep on real data (digits): the Flower simulation and the in-process
+    engine give the same metrics, release and epsilon for the same seed."""
+    from fedpriv.config import RunConfig
+    from fedpriv.engine import run_in_process
+
+    settings = dict(algorithm="deep-private-fedrep", num_users=60, hidden_sizes="32",
+                    rounds=2, epsilon=8.0, delta=1e-5, users_per_node=20, users_per_round=30)
+    results, _ = run_cli(flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    local = run_in_process(RunConfig.from_mapping(
+        {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
+        log=lambda _: None)
+    assert results["metrics"]["accuracy"] == pytest.approx(local["metrics"]["accuracy"],
+                                                           abs=1e-6)
+    assert np.allclose(results["server_state"]["parameters"],
+                       local["server_state"]["parameters"], atol=1e-6)
+    assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])

@@ -22,6 +22,8 @@ def tiny_config(name, **extra):
     family = {"rank": 1} if name.startswith("jl-exp") else {}
     if name.startswith(("meta", "private-meta", "dp-ftmrl", "jl")):
         family["feature-dist"] = "unit-ball"
+    if name.startswith("deep"):  # real data: digits holds 1,437 training images
+        family.update({"num-users": 60, "hidden-sizes": "16"})
     values = select_keys({**TINY, **family, "algorithm": name})
     return RunConfig.from_mapping({**values, **{k.replace("_", "-"): v
                                                 for k, v in extra.items()}}, strict=True)

@@ -4,6 +4,9 @@ through the ``fedpriv.algorithms`` entry point group instead."""
 
 from __future__ import annotations
 
+from fedpriv.algorithms.deep.dp_fedavg import DeepDPFedAvg, DeepDPFedAvgFT, DeepFedAvgFT
+from fedpriv.algorithms.deep.local_only import DeepLocalOnly
+from fedpriv.algorithms.deep.private_fedrep import DeepFedRep, DeepPrivateFedRep
 from fedpriv.algorithms.exp_mech.a_exp import AExp, AExpBest
 from fedpriv.algorithms.exp_mech.jl_exp import JLExp, JLExpBest
 from fedpriv.algorithms.meta.dp_ftmrl import DPFTMRL, FTMRL
@@ -20,4 +23,6 @@ BUILTIN: tuple[type, ...] = (
     MetaNSGD, MetaSGD, PrivateMetaCluster, MetaCluster, DPFTMRL, FTMRL, MetaLocal, MetaOracle,
     # exponential-mechanism constructions
     AExp, AExpBest, JLExp, JLExpBest,
+    # deep personalization on real data (torch body, personal linear heads)
+    DeepPrivateFedRep, DeepFedRep, DeepDPFedAvg, DeepDPFedAvgFT, DeepFedAvgFT, DeepLocalOnly,
 )

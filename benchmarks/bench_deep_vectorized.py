@@ -1,0 +1,90 @@
+"""Users per second of the deep algorithms' local work: vectorized over users (``torch.func``,
+what the nodes run) against a plain per-user loop (one ``nn.Module`` and ``torch.optim.SGD``
+per user, the way a Flower or Opacus example computes one client's update).
+
+Default: the Fashion-MNIST setting of the README (label skew, S = 5, N = 2,000 users, about 30
+training images each, the default MLP). One round of each algorithm family's local work:
+
+* FedRep: the head fitted on one batch (``head-steps``), the body updated on the other
+  (``body-steps``);
+* FedAvg: ``body-steps`` steps of the whole model on both batches.
+
+    python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
+from fedpriv.algorithms.deep.problem import problem_of, user_block
+from fedpriv.config import RunConfig
+from fedpriv.registry import get_algorithm
+
+
+def loop_round(cfg, problem, model, block, first, second, trains):
+    spec, b = problem.spec, problem.batch_size
+    rows = np.arange(len(block.user_ids))[:, None]
+    x1, y1 = block.x[rows, first], block.y[rows, first]
+    x2, y2 = block.x[rows, second], block.y[rows, second]
+    full = np.full(len(block.user_ids), b)
+    if trains == "body":
+        body = model[:spec.body_size]
+        heads = []
+        for i in range(len(full)):  # per user: its own forward pass for its features
+            with torch.no_grad():
+                feats = dm.features(spec, body, x1[i])
+            heads.append(dm.loop_fit_heads(feats[None], y1[i:i + 1], full[:1],
+                                           spec.num_classes, cfg.head_steps, cfg.head_lr)[0])
+        return dm.loop_local_updates(spec, body, torch.stack(heads), x2, y2, full,
+                                     cfg.body_steps, cfg.local_lr)
+    return dm.loop_local_updates(spec, model, None, torch.cat([x1, x2], 1),
+                                 torch.cat([y1, y2], 1), 2 * full, cfg.body_steps, cfg.local_lr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--num-users", type=int, default=2000)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--users", type=int, default=400, help="users timed (vectorized)")
+    parser.add_argument("--loop-users", type=int, default=40, help="users timed (loop)")
+    parser.add_argument("--body-steps", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"dataset {args.dataset}, N = {args.num_users}, model {args.model}")
+    print(f"{'algorithm':<22}{'vectorized users/s':>20}{'loop users/s':>14}{'ratio':>8}")
+    for name in ("deep-private-fedrep", "deep-dp-fedavg"):
+        cfg = RunConfig.from_mapping({"algorithm": name, "dataset": args.dataset,
+                                      "num-users": args.num_users, "model": args.model,
+                                      "body-steps": args.body_steps}, strict=True)
+        cls, problem = get_algorithm(name), problem_of(cfg)
+        model = torch.from_numpy(problem.spec.initial(0))
+        rates = []
+        for count, vectorized in ((args.users, True), (args.loop_users, False)):
+            ids = np.arange(count)
+            block = user_block(problem, ids)
+            first, second = disjoint_batches(0, 1, ids, block.counts, block.y.shape[1],
+                                             problem.batch_size)
+            best = float("inf")
+            for _ in range(2):  # best of two (the first also warms up)
+                t0 = time.perf_counter()
+                if vectorized:
+                    with torch.no_grad():  # as the nodes call it (it enables grad inside)
+                        out = cls.local_work(cfg, problem, model, block, first, second)
+                else:
+                    out = loop_round(cfg, problem, model, block, first, second, cls.trains)
+                best = min(best, time.perf_counter() - t0)
+            assert out.shape[0] == count
+            rates.append(count / best)
+        print(f"{name:<22}{rates[0]:>20.0f}{rates[1]:>14.0f}{rates[0] / rates[1]:>7.1f}x")
+
+
+if __name__ == "__main__":
+    main()

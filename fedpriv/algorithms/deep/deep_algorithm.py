@@ -1,0 +1,275 @@
+"""The base of the registered deep algorithms: T private rounds over a torch model, then each
+user's final personal fit and its test metrics.
+
+The server keeps the model as one flat float32 vector (``models.ModelSpec``: body, then head).
+A round releases one part, ``update``: the mean over the public population of the users'
+clipped local updates (the body's for FedRep, the whole model's for DP-FedAvg). Each user's
+update is bounded to ``clip-norm`` in L2 over all its parameters before anything is summed, so
+the mean has sensitivity ``clip-norm / population`` (add/remove; twice that for replace-one)
+whoever takes part; the server adds the planned Gaussian noise and steps with momentum (a
+post-processing of the noisy means). ``users-per-round = m > 0``: each round takes a Poisson
+sample of the users (rate m / n, drawn from the seed and the user id, secret to the server) and
+divides by m, accounted as a Poisson-subsampled Gaussian like Meta-NSGD. The final step releases
+nothing: it reports metric sums to the operator.
+
+Subclasses set ``trains`` (``"body"`` or ``"model"``) and ``final_fit`` (``"head"``: each user
+fits its head from zero with the released body; ``"fine-tune"``: from the global head;
+``"none"``: the global model as it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
+from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
+from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, problem_of, user_block
+from fedpriv.privacy.accounting import PlannedRelease
+from fedpriv.randomness import user_uniforms
+
+_SAMPLING_PURPOSE = 0xD5A
+_BATCH_PURPOSE = 0xDBA
+HISTOGRAM_BINS = 101  # per-user accuracy to 1% (for the percentile)
+
+
+def bin_keys(prefix: str = "acc") -> list[str]:
+    return [f"{prefix}_bin_{k:03d}" for k in range(HISTOGRAM_BINS)]
+
+
+def accuracy_sums(acc: np.ndarray, loss: np.ndarray, counts: np.ndarray,
+                  prefix: str = "acc") -> dict[str, float]:
+    """Metric sums of users with test rows: accuracy, loss, how many, and the histogram of
+    per-user accuracy (for the 10th-percentile user)."""
+    seen = counts > 0
+    hist = np.bincount(np.rint(acc[seen] * 100).astype(np.int64), minlength=HISTOGRAM_BINS)
+    return {f"{prefix}_sum": float(acc[seen].sum()), f"{prefix}_loss_sum": float(loss[seen].sum()),
+            f"{prefix}_users": float(seen.sum()),
+            **{k: float(v) for k, v in zip(bin_keys(prefix), hist, strict=True)}}
+
+
+def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float]:
+    """Mean per-user accuracy, 10th-percentile user's accuracy (1% bins) and mean test loss."""
+    users = sums[f"{prefix}_users"]
+    if not users:
+        return {"accuracy": float("nan"), "accuracy_p10": float("nan"), "test_loss": float("nan")}
+    hist = np.array([sums[k] for k in bin_keys(prefix)])
+    p10 = int(np.searchsorted(np.cumsum(hist), 0.1 * users)) / 100.0
+    return {"accuracy": sums[f"{prefix}_sum"] / users, "accuracy_p10": p10,
+            "test_loss": sums[f"{prefix}_loss_sum"] / users, "users_evaluated": users}
+
+
+def disjoint_batches(seed: int, round_index: int, user_ids: np.ndarray, counts: np.ndarray,
+                     width: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint random batches of ``batch`` positions among each user's ``counts`` rows
+    (a pure function of seed, round and user id: any node computes the same). (n, b) each."""
+    u = user_uniforms(seed, _BATCH_PURPOSE, round_index, user_ids, width)
+    u[np.arange(width)[None, :] >= counts[:, None]] = 2.0  # padding sorts last
+    order = np.argsort(u, axis=1, kind="stable")
+    return order[:, :batch], order[:, batch:2 * batch]
+
+
+def _take(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    rows = torch.arange(t.shape[0], device=t.device)[:, None]
+    return t[rows, torch.from_numpy(index).to(t.device)]
+
+
+class DeepAlgorithm(Algorithm):
+    """T rounds of clipped, noised local updates of a torch model, then personal fits."""
+
+    components = (DATA, MODEL, LOCAL, ROUNDS)
+    trains: ClassVar[str] = "body"
+    final_fit: ClassVar[str] = "head"
+
+    @classmethod
+    def validate(cls, config: Any) -> None:
+        super().validate(config)
+        problem_of(config)  # the data, the partition and the model, or a ConfigError
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        spec = problem_of(config).spec
+        self.model = spec.initial(config.seed)
+        self.release_size = spec.body_size if self.trains == "body" else spec.size
+        self.velocity = np.zeros(self.release_size)
+
+    @classmethod
+    def sampling_rate(cls, config: Any) -> float:
+        return config.users_per_round / config.num_users if config.users_per_round else 1.0
+
+    def privacy_plan(self) -> list[PlannedRelease]:
+        if not self.private:
+            return []
+        return [PlannedRelease("round", 1.0, self.config.rounds,
+                               self.sampling_rate(self.config))]
+
+    def steps(self) -> list[Step]:
+        c = self.config
+        clip = c.clip_norm if c.clipping else float("inf")
+        part = Part("update", (self.release_size,), clip)
+        release = "round" if self.private else None
+        return [*(Step("round", t, release, (part,), population=c.users_per_round or None)
+                  for t in range(1, c.rounds + 1)), Step("final")]
+
+    def charge(self, step: Step) -> tuple[list[int] | None, float]:
+        return None, self.sampling_rate(self.config)
+
+    @classmethod
+    def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
+        if step.is_final or not config.users_per_round:
+            return user_ids
+        u = user_uniforms(config.seed, _SAMPLING_PURPOSE, step.index, user_ids, 1)[:, 0]
+        return user_ids[u < cls.sampling_rate(config)]
+
+    def broadcast(self, step: Step) -> dict[str, np.ndarray]:
+        return {"model": self.model}
+
+    def apply(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> dict[str, float]:
+        mean = np.asarray(noisy_means["update"], dtype=np.float64)
+        self.velocity = self.config.server_momentum * self.velocity + mean
+        model = self.model.astype(np.float64)
+        model[:self.release_size] += self.config.learning_rate * self.velocity
+        self.model = model.astype(np.float32)
+        return {"update_norm": float(np.linalg.norm(mean))}
+
+    def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
+        return summarize(metric_sums)
+
+    def state(self) -> dict[str, Any]:
+        released = self.model[:self.release_size]
+        return {"model": self.config.model, "released": self.trains,
+                "parameters": released.astype(float).tolist()}
+
+    # ----- user side -------------------------------------------------------------------------
+    @classmethod
+    def user_step(
+        cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
+    ) -> UserContribution:
+        problem = problem_of(config)
+        model = torch.from_numpy(np.asarray(arrays["model"], dtype=np.float32)).to(
+            problem.device)
+        if step.is_final:
+            return cls._final(config, problem, model, user_ids)
+        spec, b = problem.spec, problem.batch_size
+        own = spec.body_size if cls.trains == "body" else spec.size
+        size = chunk_users(problem, 2 * b, own * (1 if config.body_steps == 1 else 2),
+                           config.chunk_mb)
+        total, clipped = np.zeros(own), 0
+        clip = step.parts[0].clip_norm
+        with torch.no_grad():
+            for start in range(0, len(user_ids), size):
+                ids = user_ids[start:start + size]
+                block = user_block(problem, ids)
+                first, second = disjoint_batches(config.seed, step.index, ids, block.counts,
+                                                 block.y.shape[1], b)
+                updates = cls.local_work(config, problem, model, block, first, second)
+                part, n_clipped = dm.clipped_sum(updates, clip)
+                total += part
+                clipped += n_clipped
+        return UserContribution({"update": total}, len(user_ids), clipped)
+
+    @classmethod
+    def local_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
+                   first: np.ndarray, second: np.ndarray) -> torch.Tensor:
+        """The chunk's local updates (n, P_released)."""
+        spec = problem.spec
+        x1, y1 = _take(block.x, first), _take(block.y, first)
+        x2, y2 = _take(block.x, second), _take(block.y, second)
+        ones = torch.ones(y1.shape, dtype=torch.float32, device=model.device)
+        if cls.trains == "body":  # FedRep: the head on one batch, the body on the other
+            body = model[:spec.body_size]
+            n, b = y1.shape
+            feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
+            heads = dm.fit_heads(feats.reshape(n, b, -1), y1, ones, spec.num_classes,
+                                 config.head_steps, config.head_lr, bias=spec.head_bias)
+            with torch.enable_grad():
+                return dm.local_updates(spec, body, heads, x2, y2, ones, config.body_steps,
+                                        config.local_lr)
+        x, y = torch.cat([x1, x2], 1), torch.cat([y1, y2], 1)  # FedAvg: the whole model
+        with torch.enable_grad():
+            return dm.local_updates(spec, model, None, x, y, torch.cat([ones, ones], 1),
+                                    config.body_steps, config.local_lr)
+
+    @classmethod
+    def _final(cls, config: Any, problem: DeepProblem, model: torch.Tensor,
+               user_ids: np.ndarray) -> UserContribution:
+        counts = problem.users.train.counts[user_ids]
+        rows = int(counts.max(initial=1)) + int(problem.users.test.counts.max(initial=1))
+        size = chunk_users(problem, rows, 0, config.chunk_mb)
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for start in range(0, len(user_ids), size):
+                ids = user_ids[start:start + size]
+                part = cls.final_sums(config, problem, model, ids)
+                sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
+        if not sums:
+            sums = cls.empty_sums()
+        return UserContribution({}, len(user_ids), 0, sums)
+
+    @classmethod
+    def empty_sums(cls) -> dict[str, float]:
+        return accuracy_sums(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def final_sums(cls, config: Any, problem: DeepProblem, model: torch.Tensor,
+                   ids: np.ndarray) -> dict[str, float]:
+        """Metric sums of a chunk of users after their final fit."""
+        acc, loss, counts = cls.final_scores(config, problem, model, ids)
+        return accuracy_sums(acc, loss, counts)
+
+    @classmethod
+    def final_scores(cls, config: Any, problem: DeepProblem, model: torch.Tensor,
+                     ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each user's test accuracy and loss after its final fit, and its test rows."""
+        spec = problem.spec
+        train, test = user_block(problem, ids, "train"), user_block(problem, ids, "test")
+        n, r = test.y.shape
+        if cls.final_fit == "none":
+            logits = functional_logits(spec, model, test.x.reshape(n * r, *spec.input_shape))
+            acc, loss = dm.accuracy_and_loss(logits.reshape(n, r, -1), test.y, test.mask)
+            return acc, loss, test.counts
+        body = model[:spec.body_size]
+        nt, rt = train.y.shape
+        feats = dm.features(spec, body, train.x.reshape(nt * rt, *spec.input_shape))
+        init = None
+        if cls.final_fit == "fine-tune":
+            init = model[spec.body_size:].expand(n, -1)
+        heads = dm.fit_heads(feats.reshape(nt, rt, -1), train.y, train.mask, spec.num_classes,
+                             config.final_head_steps, config.head_lr, init, spec.head_bias)
+        test_feats = dm.features(spec, body, test.x.reshape(n * r, *spec.input_shape))
+        logits = dm.head_logits(test_feats.reshape(n, r, -1), heads, spec.num_classes,
+                                spec.head_bias)
+        acc, loss = dm.accuracy_and_loss(logits, test.y, test.mask)
+        return acc, loss, test.counts
+
+    # ----- private evaluation (private-metrics; fedpriv.evaluation) ---------------------------
+    @staticmethod
+    def evaluation_bounds(config: Any) -> dict[str, float]:
+        """Each user's test error rate, in [0, 1] (a user without test rows counts 1)."""
+        return {"test_error": 1.0}
+
+    @classmethod
+    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+                          user_ids: np.ndarray) -> dict[str, np.ndarray]:
+        problem = problem_of(config)
+        model = torch.from_numpy(np.asarray(arrays["model"], dtype=np.float32)).to(
+            problem.device)
+        counts = problem.users.train.counts[user_ids]
+        rows = int(counts.max(initial=1)) + int(problem.users.test.counts.max(initial=1))
+        size = chunk_users(problem, rows, 0, config.chunk_mb)
+        errors = []
+        with torch.no_grad():
+            for start in range(0, len(user_ids), size):
+                acc, _, seen = cls.final_scores(config, problem, model,
+                                                user_ids[start:start + size])
+                errors.append(np.where(seen > 0, 1.0 - acc, 1.0))
+        return {"test_error": np.concatenate(errors) if errors else np.zeros(0)}
+
+
+def functional_logits(spec: Any, model: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The global model's logits on rows x (N, *input)."""
+    return torch.func.functional_call(spec.module, spec.unflatten(model), (x,))

@@ -1,0 +1,212 @@
+"""The users' local work of the deep algorithms, batched over users with ``torch.func``.
+
+Every function takes a chunk of users stacked on a leading axis and computes all of them in a
+few batched calls: the shared body's features of every row in one forward pass; the users'
+linear heads fitted by full-batch gradient descent on those features (the cross-entropy
+gradient in closed form, ``(softmax - onehot)^T features``); each user's body (or whole-model)
+update by ``vmap(grad(loss))`` over per-user parameters (``functional_call``). No Python loop
+runs over users. ``loop_*`` are the plain per-user references (one ``nn.Module`` and one
+``torch.optim.SGD`` per user, the way a Flower or Opacus example computes one client's update):
+tests check that both compute the same, the benchmark compares their speed.
+
+Privacy-relevant: ``clipped_sum`` bounds each user's update to ``clip`` in L2 over all its
+parameters, with norms and scaling in float64 (a float32 norm could let a clipped update exceed
+the bound by a rounding error), before anything is summed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+from fedpriv.algorithms.deep.models import ModelSpec
+
+
+class _Stop(Exception):
+    pass
+
+
+def _head_module(spec: ModelSpec) -> torch.nn.Module:
+    return spec.module.get_submodule(spec.names[spec.num_body].rsplit(".", 1)[0])
+
+
+def features(spec: ModelSpec, body: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The shared body's output (the head's input) for rows ``x`` (N, *input): (N, h)."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_module, inputs):
+        captured.append(inputs[0])
+        raise _Stop
+
+    params = spec.unflatten(body, body_only=True)
+    params.update(spec.unflatten_head(torch.zeros(spec.size - spec.body_size,
+                                                  dtype=body.dtype, device=body.device)))
+    handle = _head_module(spec).register_forward_pre_hook(hook)
+    try:
+        functional_call(spec.module, params, (x,))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return captured[0].reshape(len(x), -1)
+
+
+def head_step_sizes(feats: torch.Tensor, mask: torch.Tensor, lr: float) -> torch.Tensor:
+    """Each user's head step size: ``lr`` times ``1/L``, where ``L = mean ||f||^2 / 2 + 1/2``
+    bounds the smoothness of its mean cross-entropy in the head (weights and bias) over its
+    valid rows; so ``lr <= 1`` never diverges, whatever the scale of the features. (n,)"""
+    sq = (feats.pow(2).sum(-1) * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+    return lr / (0.5 * sq + 0.5)
+
+
+def fit_heads(feats: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int,
+              steps: int, lr: float, init: torch.Tensor | None = None,
+              bias: bool = True) -> torch.Tensor:
+    """Each user's linear head by ``steps`` of gradient descent (step ``head_step_sizes``) on
+    its mean cross-entropy over its valid rows: feats (n, r, h), y (n, r), mask (n, r); from
+    ``init`` (n, H) or zeros. Returns the flat heads (n, C*h [+ C]) in the model's layout
+    (weight, then bias)."""
+    n, _, h = feats.shape
+    rate = head_step_sizes(feats, mask, lr)
+    c = num_classes
+    if init is None:
+        w = feats.new_zeros(n, c, h)
+        b = feats.new_zeros(n, c)
+    else:
+        w = init[:, :c * h].reshape(n, c, h).clone()
+        b = init[:, c * h:].clone() if bias else feats.new_zeros(n, c)
+    onehot = F.one_hot(y, c).to(feats.dtype)
+    weight = mask / mask.sum(1, keepdim=True).clamp_min(1.0)
+    for _ in range(steps):
+        logits = torch.einsum("nrh,nch->nrc", feats, w) + b[:, None, :]
+        g = (torch.softmax(logits, -1) - onehot) * weight[..., None]
+        w = w - rate[:, None, None] * torch.einsum("nrc,nrh->nch", g, feats)
+        if bias:
+            b = b - rate[:, None] * g.sum(1)
+    return torch.cat([w.reshape(n, -1), b], 1) if bias else w.reshape(n, -1)
+
+
+def _user_loss(spec: ModelSpec, params: dict, x: torch.Tensor, y: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    logits = functional_call(spec.module, params, (x,))
+    ce = F.cross_entropy(logits, y, reduction="none")
+    return (ce * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | None,
+                  x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, steps: int,
+                  lr: float) -> torch.Tensor:
+    """Each user's update after ``steps`` of gradient descent from the shared ``start``.
+
+    ``heads`` (n, H) given: ``start`` is the body (P_body,), each user's head is frozen at its
+    row and the update is the body's (n, P_body). ``heads = None``: ``start`` is the whole model
+    (P,) and every parameter moves (n, P). x (n, r, *input), y and mask (n, r)."""
+    body_only = heads is not None
+    n = x.shape[0]
+
+    def loss(own: dict, head: dict, xi, yi, mi):
+        return _user_loss(spec, {**own, **head}, xi, yi, mi)
+
+    head_params = spec.unflatten_head(heads) if body_only else {}
+    per_user = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))
+    stacked = vmap(grad(loss), in_dims=(0, 0, 0, 0, 0))
+    current = start
+    for step in range(steps):
+        params = spec.unflatten(current, body_only=body_only)
+        grads = (per_user if step == 0 else stacked)(params, head_params, x, y, mask)
+        flat = torch.cat([grads[name].reshape(n, -1) for name in params], 1)
+        current = (start - lr * flat) if step == 0 else current - lr * flat
+    return current - start
+
+
+def clipped_sum(updates: torch.Tensor, clip: float) -> tuple[np.ndarray, int]:
+    """Sum over users of ``updates[i] * min(1, clip / ||updates[i]||)`` (float64), and how many
+    were scaled down: ``fedpriv.privacy.mechanisms.clipped_sum`` for torch rows."""
+    if clip <= 0:
+        raise ValueError(f"clip must be positive, got {clip}")
+    norms = torch.linalg.vector_norm(updates, dim=1, dtype=torch.float64)
+    factors = torch.ones_like(norms)
+    over = norms > clip
+    factors[over] = clip / norms[over]
+    total = factors @ updates.to(torch.float64)
+    return total.cpu().numpy(), int(over.sum())
+
+
+def accuracy_and_loss(logits: torch.Tensor, y: torch.Tensor,
+                      mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per user: the fraction of valid rows classified right, and the mean cross-entropy.
+    logits (n, r, C), y and mask (n, r)."""
+    count = mask.sum(1).clamp_min(1.0)
+    right = ((logits.argmax(-1) == y).to(mask.dtype) * mask).sum(1) / count
+    ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+    loss = (ce * mask).sum(1) / count
+    return right.double().cpu().numpy(), loss.double().cpu().numpy()
+
+
+def head_logits(feats: torch.Tensor, heads: torch.Tensor, num_classes: int,
+                bias: bool = True) -> torch.Tensor:
+    """Logits of per-user heads (n, H) on per-user features (n, r, h)."""
+    n, _, h = feats.shape
+    w = heads[:, :num_classes * h].reshape(n, num_classes, h)
+    logits = torch.einsum("nrh,nch->nrc", feats, w)
+    return logits + heads[:, num_classes * h:][:, None, :] if bias else logits
+
+
+def model_logits(spec: ModelSpec, models: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Logits of per-user whole models (n, P) on their rows x (n, r, *input)."""
+    def one(flat, xi):
+        return functional_call(spec.module, spec.unflatten(flat), (xi,))
+    return vmap(one)(models, x)
+
+
+# ----- per-user references (tests and the benchmark) -------------------------------------------
+def _module_with(spec: ModelSpec, flat: torch.Tensor) -> torch.nn.Module:
+    module = copy.deepcopy(spec.module)
+    module.requires_grad_(True)
+    with torch.no_grad():
+        for (name, value) in spec.unflatten(flat).items():
+            module.get_parameter(name).copy_(value)
+    return module
+
+
+def loop_fit_heads(feats: torch.Tensor, y: torch.Tensor, counts: np.ndarray,
+                   num_classes: int, steps: int, lr: float) -> torch.Tensor:
+    """``fit_heads`` one user at a time with an ``nn.Linear`` and ``torch.optim.SGD``."""
+    heads = []
+    for i, count in enumerate(counts):
+        head = torch.nn.Linear(feats.shape[2], num_classes).to(feats.dtype)
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        sq = float(feats[i, :count].pow(2).sum(-1).mean()) if count else 0.0
+        opt = torch.optim.SGD(head.parameters(), lr=lr / (0.5 * sq + 0.5))
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(head(feats[i, :count]), y[i, :count]).backward()
+            opt.step()
+        heads.append(torch.cat([head.weight.detach().reshape(-1), head.bias.detach()]))
+    return torch.stack(heads)
+
+
+def loop_local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | None,
+                       x: torch.Tensor, y: torch.Tensor, counts: np.ndarray, steps: int,
+                       lr: float) -> torch.Tensor:
+    """``local_updates`` one user at a time: a model copy, ``torch.optim.SGD`` on its body
+    (or all of it), ``steps`` steps on the user's rows."""
+    out = []
+    for i, count in enumerate(counts):
+        full = start if heads is None else torch.cat([start, heads[i]])
+        module = _module_with(spec, full)
+        names = spec.names if heads is None else spec.names[:spec.num_body]
+        params = [module.get_parameter(n) for n in names]
+        opt = torch.optim.SGD(params, lr=lr)
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(module(x[i, :count]), y[i, :count]).backward()
+            opt.step()
+        after = torch.cat([p.detach().reshape(-1) for p in params])
+        out.append(after - start)
+    return torch.stack(out)

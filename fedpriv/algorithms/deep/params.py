@@ -1,0 +1,103 @@
+"""Run-config keys of the deep personalization family (a torch body shared by all users, a
+personal linear head per user): the data, the model, the users' local work and the rounds.
+Algorithms list these groups in their ``components``; see ``fedpriv.params``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedpriv.algorithms.shared_params import CLIP_NORM, CLIPPING, LEARNING_RATE
+from fedpriv.data.partition import SCHEMES
+from fedpriv.data.sources import SOURCES
+from fedpriv.params import ConfigError, Param, ParamGroup, non_negative, one_of, positive
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _hidden_ok(text: str) -> bool:
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
+    return all(p.isdigit() and int(p) > 0 for p in parts)
+
+
+def hidden_sizes(text: str) -> tuple[int, ...]:
+    text = text.strip()
+    return tuple(int(p) for p in text.split(",")) if text else ()
+
+
+def _check_data(config: Any) -> None:
+    if config.dataset == "npz" and not config.data_file:
+        raise ConfigError("data-file: dataset = \"npz\" needs data-file (a .npz path)")
+    if config.partition == "natural" and config.dataset != "npz":
+        raise ConfigError(f"partition: 'natural' needs data with a user column (dataset = "
+                          f"\"npz\" with user_train, user_test), not {config.dataset!r}")
+
+
+DATA = ParamGroup("deep data", (
+    Param("dataset", str, "digits", "`digits` (scikit-learn's bundled 8x8 digits: the fast "
+          "default), `fashion-mnist` (Debian's dataset-fashion-mnist IDX files) or `npz` (your "
+          "own file, data-file)", *one_of(SOURCES)),
+    Param("data-dir", str, "", "folder of the Fashion-MNIST IDX files; `\"\"` = "
+          "/usr/share/datasets/fashion-mnist", public=False),
+    Param("data-file", str, "", "dataset = \"npz\": a .npz with x_train, y_train, x_test, "
+          "y_test [, user_train, user_test]", public=False),
+    Param("partition", str, "label-skew", "how rows become users: `label-skew` (S classes per "
+          "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column)",
+          *one_of(SCHEMES)),
+    Param("classes-per-user", int, 5, "S of label-skew", positive, "an integer >= 1"),
+    Param("dirichlet-alpha", float, 0.5, "alpha of the dirichlet partition", positive,
+          "a number > 0"),
+), _check_data)
+
+
+def _check_model(config: Any) -> None:
+    if config.model not in ("mlp", "cnn") and ":" not in config.model:
+        raise ConfigError(f"model: {config.model!r} is not `mlp`, `cnn` or an import path "
+                          "`package.module:function`")
+
+
+MODEL = ParamGroup("deep model", (
+    Param("model", str, "mlp", "`mlp`, `cnn` (two conv layers; image data), or "
+          "`package.module:factory` called as factory(input_shape, num_classes) -> "
+          "torch.nn.Module; its last Linear layer is the personal head, the rest the body"),
+    Param("hidden-sizes", str, "256,128", "mlp: hidden layer widths, comma-separated",
+          _hidden_ok, "comma-separated integers > 0"),
+    Param("device", str, "auto", "`auto` (cuda when available), `cpu` or `cuda`",
+          *one_of(DEVICES)),
+    Param("chunk-mb", float, 512.0, "memory budget of one vectorized chunk of users: a node "
+          "computes its users in chunks whose estimated working set fits it", positive,
+          "a number > 0"),
+), _check_model)
+
+LOCAL = ParamGroup("deep local work", (
+    Param("local-batch-size", str, "max", "b of each of the two disjoint batches per round: `max` "
+          "(half the smallest user's training rows, at most 32) or an integer",
+          lambda x: x == "max" or (x.isdigit() and int(x) >= 1), "'max' or an integer >= 1"),
+    Param("head-steps", int, 10, "gradient steps of a user's head fit (body frozen) per round",
+          non_negative, "an integer >= 0"),
+    Param("head-lr", float, 1.0, "step size of the head fits in units of 1/L (L bounds the "
+          "smoothness of the user's loss in its head, from its own features): <= 1 never "
+          "diverges", positive, "a number > 0"),
+    Param("body-steps", int, 1, "local steps of a user's body (or model) update per round on "
+          "its second batch", positive, "an integer >= 1"),
+    Param("local-lr", float, 0.1, "step size of the users' local body (or model) steps",
+          positive, "a number > 0"),
+    Param("final-head-steps", int, 50, "gradient steps of each user's final head fit on all "
+          "its training rows (FedRep and the -ft baselines); local-only: steps of training "
+          "alone", positive, "an integer >= 1"),
+))
+
+
+def _check_rounds(config: Any) -> None:
+    if config.users_per_round > config.num_users:
+        raise ConfigError(f"users-per-round: {config.users_per_round} exceeds num-users "
+                          f"({config.num_users})")
+
+
+ROUNDS = ParamGroup("deep rounds", (
+    LEARNING_RATE, CLIP_NORM, CLIPPING,
+    Param("server-momentum", float, 0.9, "momentum of the server's step on the noisy mean "
+          "(post-processing)", lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    Param("users-per-round", int, 0, "0 = every user every round (as the papers); m > 0 = "
+          "Poisson cohorts of expected size m, accounted with sampling amplification",
+          non_negative, "an integer >= 0"),
+), _check_rounds)

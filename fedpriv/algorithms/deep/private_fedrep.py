@@ -1,0 +1,31 @@
+"""Private FedRep for deep models (Snedeker, Zhou & Bassily 2025, Alg. 1, with a torch body in
+place of the embedding U) and its non-private version.
+
+Each round every taking-part user fits its linear head from zero with the body frozen on one
+batch (``head-steps`` steps), then computes its body update with that head frozen on a *disjoint*
+batch (``body-steps`` local steps): the head never sees the rows the released update is
+computed on, as in the paper's analysis. The update is clipped to ``clip-norm`` (L2 over every
+body parameter); the server releases the noisy mean over the population and steps with
+momentum. At the end each user fits its head on all its training rows with the released body.
+
+Privacy: one Gaussian release per round of sensitivity ``clip-norm / population``
+(``fedpriv.algorithms.deep.deep_algorithm``), T rounds in one calibrated plan. Heads never
+leave the users.
+"""
+
+from __future__ import annotations
+
+from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
+
+
+class DeepPrivateFedRep(DeepAlgorithm):
+    name = "deep-private-fedrep"
+    summary = "Private FedRep with a torch body and personal linear heads (real data)"
+    trains = "body"
+    final_fit = "head"
+
+
+class DeepFedRep(DeepPrivateFedRep):
+    name = "deep-fedrep"
+    summary = "FedRep with a torch body, without noise (baseline; clipping optional)"
+    private = False

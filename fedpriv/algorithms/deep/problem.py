@@ -1,0 +1,106 @@
+"""How a deep run's config becomes data, users and a model, checked before the run starts.
+
+``DeepProblem`` holds the dataset (``fedpriv.data.sources``), its partition into users
+(``fedpriv.data.partition``, a pure function of the seed and keys: every node computes the same
+one) and the model (``models.ModelSpec``). ``user_block`` gathers a set of users' rows as padded
+tensors with a mask, which is what the vectorized math (``deep_math``) reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedpriv.algorithms.deep.models import ModelSpec, model_spec
+from fedpriv.data.partition import Partition, PartitionError, partition
+from fedpriv.data.sources import DatasetError, Source, load_source
+from fedpriv.params import ConfigError
+
+MAX_AUTO_BATCH = 32
+
+
+@dataclass(frozen=True, eq=False)
+class DeepProblem:
+    source: Source
+    users: Partition
+    spec: ModelSpec
+    batch_size: int
+    device: torch.device
+
+
+@dataclass(frozen=True, eq=False)
+class UserBlock:
+    """Some users' rows of one split: x (n, width, *input), y (n, width), mask (n, width)."""
+
+    user_ids: np.ndarray
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor
+    counts: np.ndarray
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for and torch sees no CUDA device")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def problem_of(config: Any) -> DeepProblem:
+    """The config's problem (cached per process), or a ``ConfigError`` naming the key."""
+    key = (config.dataset, config.data_dir, config.data_file, config.partition,
+           config.num_users, config.seed, config.classes_per_user, config.dirichlet_alpha,
+           config.model, config.hidden_sizes, config.local_batch_size, config.device)
+    return _problem(key)
+
+
+@lru_cache(maxsize=4)
+def _problem(key: tuple) -> DeepProblem:
+    (dataset, data_dir, data_file, scheme, num_users, seed, classes, alpha, model, hidden,
+     batch, device) = key
+    try:
+        source = load_source(dataset, data_dir, data_file)
+        users = partition(source, scheme, num_users, seed, classes, alpha)
+    except (DatasetError, PartitionError) as err:
+        raise ConfigError(str(err)) from None
+    spec = model_spec(model, hidden, source.input_shape, source.num_classes)
+    counts = users.train.counts
+    smallest = int(counts.min())
+    b = min(MAX_AUTO_BATCH, smallest // 2) if batch == "max" else int(batch)
+    if b < 1 or 2 * b > smallest:
+        user = int(np.argmin(counts))
+        raise ConfigError(f"local-batch-size: user {user} has {smallest} training rows; two "
+                          f"disjoint batches of {max(b, 1)} need {2 * max(b, 1)} (fewer users, "
+                          "another partition or a smaller local-batch-size)")
+    return DeepProblem(source, users, spec, b, resolve_device(device))
+
+
+def user_block(problem: DeepProblem, user_ids: np.ndarray, split: str = "train") -> UserBlock:
+    """The users' rows of ``split`` as padded tensors on the problem's device."""
+    rows_of = problem.users.train if split == "train" else problem.users.test
+    x_all = problem.source.x_train if split == "train" else problem.source.x_test
+    y_all = problem.source.y_train if split == "train" else problem.source.y_test
+    ids = np.asarray(user_ids, dtype=np.int64)
+    rows, counts = rows_of.padded(ids)
+    mask = np.arange(rows.shape[1])[None, :] < counts[:, None]
+    dev = problem.device
+    return UserBlock(ids, torch.from_numpy(x_all[rows]).to(dev),
+                     torch.from_numpy(y_all[rows]).to(dev),
+                     torch.from_numpy(mask.astype(np.float32)).to(dev), counts)
+
+
+def chunk_users(problem: DeepProblem, rows_per_user: int, per_user_params: int,
+                budget_mb: float) -> int:
+    """Users per vectorized chunk whose estimated working set fits ``budget_mb``: each user's
+    rows through the network (inputs and every layer's output, kept for the backward pass,
+    and their gradients) plus ``per_user_params`` floats of its own parameters, gradients and
+    update (three copies)."""
+    spec = problem.spec
+    per_row = int(np.prod(spec.input_shape)) + spec.activations
+    per_user = 4 * (2 * rows_per_user * per_row + 3 * per_user_params)
+    return max(1, int(budget_mb * 2**20 // max(per_user, 1)))

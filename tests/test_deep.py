@@ -1,0 +1,241 @@
+"""Deep personalization on real data: sources, partitions, the vectorized local work against
+per-user loops, the deep algorithms' privacy (clipping, noise, Poisson accounting) and bad
+input."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from fedpriv.algorithms.base import Step
+from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
+from fedpriv.algorithms.deep.problem import problem_of, user_block
+from fedpriv.config import RunConfig
+from fedpriv.data.partition import PartitionError, partition
+from fedpriv.data.sources import DatasetError, load_source, read_idx
+from fedpriv.engine import run_in_process
+from fedpriv.params import ConfigError
+from fedpriv.privacy.mechanisms import clipped_sum
+from fedpriv.registry import get_algorithm
+
+SMALL = {"dataset": "digits", "num-users": 60, "hidden-sizes": "32", "rounds": 2,
+         "checkpoint": False, "epsilon": 2.0, "delta": 1e-5}
+DEEP = ("deep-private-fedrep", "deep-fedrep", "deep-dp-fedavg", "deep-dp-fedavg-ft",
+        "deep-fedavg-ft", "deep-local-only")
+
+
+def config(algorithm="deep-private-fedrep", **keys):
+    mapping = {"algorithm": algorithm, **SMALL, **{k.replace("_", "-"): v for k, v in keys.items()}}
+    if algorithm == "deep-local-only":
+        mapping.pop("rounds")
+    return RunConfig.from_mapping(mapping, strict=True)
+
+
+def run(tmp_path, algorithm="deep-private-fedrep", **keys):
+    cfg = config(algorithm, results_path=str(tmp_path / "r.json"), **keys)
+    return run_in_process(cfg, num_partitions=2, log=lambda _: None)
+
+
+# ----- data ----------------------------------------------------------------------------------
+def test_the_partition_is_a_pure_function_and_label_skew_gives_each_user_its_classes():
+    source = load_source("digits")
+    a = partition(source, "label-skew", 50, 3, 4)
+    b = partition.__wrapped__(source, "label-skew", 50, 3, 4) if hasattr(
+        partition, "__wrapped__") else a
+    from fedpriv.data.partition import _partition
+    fresh = _partition.__wrapped__(source, "label-skew", 50, 3, 4, 0.5)
+    for x in (b, fresh):
+        assert np.array_equal(a.train.rows, x.train.rows)
+        assert np.array_equal(a.test.rows, x.test.rows)
+    assert len(np.unique(a.train.rows)) == len(a.train.rows)  # disjoint training rows
+    for u in range(50):
+        train = source.y_train[a.train.rows[a.train.offsets[u]:a.train.offsets[u + 1]]]
+        test = source.y_test[a.test.rows[a.test.offsets[u]:a.test.offsets[u + 1]]]
+        assert len(set(train)) <= 4 and len(test) > 0
+        assert set(test) <= set(train)  # the test split follows the user's classes
+    other = partition(source, "label-skew", 50, 4, 4)
+    assert not np.array_equal(a.train.rows, other.train.rows)
+
+
+def test_iid_dirichlet_and_natural_partitions(tmp_path):
+    source = load_source("digits")
+    iid = partition(source, "iid", 40, 0)
+    assert iid.train.counts.sum() == len(source.y_train)
+    assert iid.train.counts.max() - iid.train.counts.min() <= 1
+    dirichlet = partition(source, "dirichlet", 20, 0, alpha=0.3)
+    assert dirichlet.train.counts.min() >= 10
+    rng = np.random.default_rng(0)
+    path = tmp_path / "own.npz"
+    np.savez(path, x_train=rng.normal(size=(30, 5)), y_train=rng.integers(0, 3, 30),
+             x_test=rng.normal(size=(12, 5)), y_test=rng.integers(0, 3, 12),
+             user_train=np.repeat([7, 3, 9], 10), user_test=np.repeat([3, 7, 9], 4))
+    own = load_source("npz", data_file=str(path))
+    natural = partition(own, "natural", 3, 0)
+    assert np.array_equal(own.user_train[natural.train.rows[:10]], np.full(10, 3))
+    assert np.array_equal(own.user_test[natural.test.rows[natural.test.offsets[1]:
+                                                          natural.test.offsets[2]]],
+                          np.full(4, 7))
+    with pytest.raises(PartitionError, match="num-users"):
+        partition(own, "natural", 4, 0)
+    with pytest.raises(PartitionError, match="user column"):
+        partition(source, "natural", 4, 0)
+
+
+def test_idx_files_are_read_and_a_missing_fashion_mnist_names_the_package(tmp_path):
+    images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    header = bytes([0, 0, 0x08, 3]) + b"".join(int(s).to_bytes(4, "big") for s in images.shape)
+    with gzip.open(tmp_path / "a.gz", "wb") as fh:
+        fh.write(header + images.tobytes())
+    assert np.array_equal(read_idx(tmp_path / "a.gz"), images)
+    (tmp_path / "bad").write_bytes(header + images.tobytes()[:-1])
+    with pytest.raises(DatasetError, match="header"):
+        read_idx(tmp_path / "bad")
+    with pytest.raises(ConfigError, match="dataset-fashion-mnist"):
+        config(dataset="fashion-mnist", data_dir=str(tmp_path))
+
+
+# ----- vectorized == per-user loop -------------------------------------------------------------
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_vectorized_local_work_equals_the_per_user_loop(model, steps):
+    cfg = config(model=model, body_steps=steps)
+    problem = problem_of(cfg)
+    spec = problem.spec
+    flat = torch.from_numpy(spec.initial(0))
+    body = flat[:spec.body_size]
+    block = user_block(problem, np.arange(8))
+    n, r = block.y.shape
+    feats = dm.features(spec, body, block.x.reshape(n * r, *spec.input_shape)).reshape(n, r, -1)
+    heads = dm.fit_heads(feats, block.y, block.mask, 10, 10, 1.0)
+    assert torch.allclose(heads, dm.loop_fit_heads(feats, block.y, block.counts, 10, 10, 1.0),
+                          atol=1e-5)
+    for start, h in ((body, heads), (flat, None)):  # FedRep's body update; FedAvg's model
+        fast = dm.local_updates(spec, start, h, block.x, block.y, block.mask, steps, 0.1)
+        slow = dm.loop_local_updates(spec, start, h, block.x, block.y, block.counts, steps, 0.1)
+        assert fast.abs().max() > 1e-4
+        assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", [a for a in DEEP if a != "deep-local-only"])
+def test_each_algorithms_round_equals_a_per_user_loop(algorithm):
+    cfg = config(algorithm, body_steps=2)
+    cls, problem = get_algorithm(algorithm), problem_of(config(algorithm))
+    spec, b = problem.spec, problem.batch_size
+    model = torch.from_numpy(spec.initial(0))
+    ids = np.arange(10, 16)
+    block = user_block(problem, ids)
+    first, second = disjoint_batches(0, 1, ids, block.counts, block.y.shape[1], b)
+    assert not (set(first[0]) & set(second[0]))
+    assert (first < block.counts[:, None]).all() and (second < block.counts[:, None]).all()
+    fast = cls.local_work(cfg, problem, model, block, first, second)
+    rows = np.arange(len(ids))[:, None]
+    x1, y1 = block.x[rows, first], block.y[rows, first]
+    x2, y2 = block.x[rows, second], block.y[rows, second]
+    full = np.full(len(ids), b)
+    if cls.trains == "body":
+        body = model[:spec.body_size]
+        feats = dm.features(spec, body, x1.reshape(-1, *spec.input_shape)).reshape(len(ids), b, -1)
+        heads = dm.loop_fit_heads(feats, y1, full, 10, cfg.head_steps, cfg.head_lr)
+        slow = dm.loop_local_updates(spec, body, heads, x2, y2, full, 2, cfg.local_lr)
+    else:
+        slow = dm.loop_local_updates(spec, model, None, torch.cat([x1, x2], 1),
+                                     torch.cat([y1, y2], 1), 2 * full, 2, cfg.local_lr)
+    assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-4)
+
+
+def test_the_torch_clipped_sum_bounds_every_user_like_the_numpy_one():
+    rng = np.random.default_rng(1)
+    updates = rng.normal(size=(20, 300)) * rng.choice([1e-3, 1.0, 1e6], size=(20, 1))
+    total, clipped = dm.clipped_sum(torch.from_numpy(updates.astype(np.float32)), 0.5)
+    expect, expect_clipped = clipped_sum(updates.astype(np.float32).astype(np.float64), 0.5)
+    assert clipped == expect_clipped and clipped > 0
+    assert np.allclose(total, expect, rtol=1e-12, atol=1e-12)
+    one, _ = dm.clipped_sum(torch.from_numpy(updates[:1].astype(np.float32) * 1e30), 0.5)
+    assert np.linalg.norm(one) <= 0.5 * (1 + 1e-12)
+
+
+# ----- runs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", DEEP)
+def test_every_deep_algorithm_runs_and_learns(tmp_path, algorithm):
+    results = run(tmp_path, algorithm, rounds=4, epsilon=50.0)  # 60 users: learnable at large eps
+    metrics = results["metrics"]
+    assert metrics["users_evaluated"] == 60
+    assert 0.2 < metrics["accuracy"] <= 1.0  # chance is 0.1 (and 0.2 within 5 classes)
+    assert 0 <= metrics["accuracy_p10"] <= metrics["accuracy"] + 0.01
+    private = get_algorithm(algorithm).private
+    assert (results["privacy"]["epsilon"] <= 50.0 + 1e-9) if private else True
+
+
+def test_privacy_noise_is_applied_with_the_planned_std(tmp_path):
+    """One round, no momentum, step 1: the released body minus the non-private one is exactly
+    the noise, whose std must be the ledger's clip * z / n."""
+    keys = dict(rounds=1, server_momentum=0.0, learning_rate=1.0, clip_norm=0.05)
+    private = run(tmp_path, "deep-private-fedrep", **keys)
+    plain = run(tmp_path, "deep-fedrep", **keys)
+    diff = (np.array(private["server_state"]["parameters"])
+            - np.array(plain["server_state"]["parameters"]))
+    std = private["privacy"]["ledger"][0]["noise_std"]
+    assert std == pytest.approx(0.05 * private["privacy"]["noise_multipliers"]["round"] / 60)
+    assert diff.std() == pytest.approx(std, rel=0.03)
+    assert abs(diff.mean()) < 5 * std / np.sqrt(diff.size)
+
+
+def test_poisson_cohorts_are_accounted_with_sampling_amplification(tmp_path):
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    results = run(tmp_path, "deep-private-fedrep", users_per_round=15, rounds=3)
+    rounds = [r for r in results["rounds"] if r["step"].startswith("round")]
+    assert all(r["users_contributing"] < 60 for r in rounds)
+    z = results["privacy"]["noise_multipliers"]["round"]
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(15 / 60, dp_accounting.GaussianDpEvent(z)), 3)
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(event)
+    assert results["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)
+    assert results["privacy"]["epsilon"] <= 2.0 + 1e-9
+    unsampled = run(tmp_path, "deep-private-fedrep", rounds=3)
+    assert z < unsampled["privacy"]["noise_multipliers"]["round"]  # amplification: less noise
+
+
+# ----- bad input -------------------------------------------------------------------------------
+def _factories(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\n"
+        "def wrong_classes(shape, classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3))\n"
+        "def head_only(shape, classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, classes))\n"
+        "def good(shape, classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(),\n"
+        "                         nn.Linear(16, classes))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_bad_models_and_too_small_users_fail_before_the_run(tmp_path, monkeypatch):
+    _factories(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match="model: .*3 classes|model: .*outputs shape"):
+        config(model="my_models:wrong_classes")
+    with pytest.raises(ConfigError, match="model: .*no body"):
+        config(model="my_models:head_only")
+    with pytest.raises(ConfigError, match="model: cannot import"):
+        config(model="my_models:nothing")
+    with pytest.raises(ConfigError, match="local-batch-size: user"):
+        config(num_users=200, local_batch_size="3")  # the smallest user has 5 rows
+    with pytest.raises(ConfigError, match="local-batch-size: user"):
+        config(local_batch_size="12")
+    with pytest.raises(ConfigError, match="hidden-sizes"):
+        config(hidden_sizes="32,x")
+    results = run(tmp_path, "deep-fedrep", model="my_models:good")
+    assert results["metrics"]["accuracy"] > 0.2
+
+
+def test_a_user_step_answers_for_an_empty_cohort():
+    cfg = config()
+    cls = get_algorithm("deep-private-fedrep")
+    problem = problem_of(cfg)
+    model = problem.spec.initial(0)
+    final = cls.user_step(cfg, Step("final"), {"model": model}, np.zeros(0, dtype=np.int64))
+    assert final.num_users == 0 and final.metrics["acc_users"] == 0
