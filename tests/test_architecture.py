@@ -183,6 +183,14 @@ def test_commands_and_launchers_stay_below_the_command_line(name):
             "fedpriv.config.PLUGIN_CONFIG", "fedpriv.config.select_keys"}
 
 
+def test_the_core_imports_no_flower_package():
+    """fedpriv is the Flower-free core: no module of it imports flwr, or Flower's other
+    packages (flwr_datasets: the partitions are recomputed in NumPy)."""
+    flower = {name: sorted(n for n in _imports(name) if n.split(".")[0].startswith("flwr"))
+              for name in modules() if name.startswith("fedpriv")}
+    assert not {k: v for k, v in flower.items() if v}
+
+
 def test_the_deploy_package_loads_no_flower():
     """Also transitively: importing the ``fedpriv deploy`` commands loads no flwr module."""
     code = ("import sys, fedpriv.deploy.cli; "

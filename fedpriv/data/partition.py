@@ -4,12 +4,16 @@ A partition is a pure function of (seed, dataset, scheme, keys), so every node c
 and reads only its own users' rows: nothing is exchanged. Schemes:
 
 * ``label-skew``: each user gets S classes and an equal shard of each (the pathological split of
-  McMahan et al., FedRep and CENTAUR): ``flwr-datasets``' ``PathologicalPartitioner`` (random
-  class assignment), run over a ``datasets.Dataset`` of the labels only.
-* ``dirichlet``: class proportions drawn from Dirichlet(alpha) per class (Hsu et al. 2019):
-  ``flwr-datasets``' ``DirichletPartitioner`` (min 10 training rows per user).
+  McMahan et al., FedRep and CENTAUR): the rows of ``flwr-datasets``' ``PathologicalPartitioner``
+  (random class assignment).
+* ``dirichlet``: class proportions drawn from Dirichlet(alpha) per class (Hsu et al. 2019): the
+  rows of ``flwr-datasets``' ``DirichletPartitioner`` (min 10 training rows per user).
+
+Both are recomputed here in NumPy, draw for draw (the core never imports Flower's packages, and
+``datasets``/``pyarrow`` stay out of the runtime); a test compares them with flwr-datasets.
 * ``iid``: a seeded permutation cut into near-equal shares. (``IidPartitioner.load_partition``
-  builds one ``datasets.Dataset`` per user: measured 10 s for 6,000 users here, against
+  builds one ``datasets.Dataset`` per user: about 10 s for 6,000 users here, extrapolated from
+  50 measured partitions, against
   milliseconds for the permutation, so the permutation is computed directly.)
 * ``natural``: the data's own user column (``Source.user_train``); user i is the i-th smallest id.
 
@@ -21,7 +25,6 @@ round-robin and reused (test rows are never trained on, so sharing them costs no
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,6 +35,7 @@ from fedpriv.data.sources import Source
 SCHEMES = ("label-skew", "dirichlet", "iid", "natural")
 _TEST_PURPOSE = 0x7E57
 _IID_PURPOSE = 0x11D
+_DIRICHLET_MIN_ROWS = 10  # flwr-datasets' default min_partition_size
 
 
 class PartitionError(ValueError):
@@ -89,7 +93,7 @@ def _partition(source: Source, scheme: str, num_users: int, seed: int, classes_p
         order = np.random.default_rng([seed, _IID_PURPOSE]).permutation(len(labels))
         train = np.array_split(order, num_users)
     else:
-        train = _flwr_partition(labels, scheme, num_users, seed, classes_per_user, alpha)
+        train = _skewed_rows(labels, scheme, num_users, seed, classes_per_user, alpha)
     counts = np.zeros((num_users, source.num_classes), dtype=np.int64)
     for user, rows in enumerate(train):
         np.add.at(counts[user], labels[rows], 1)
@@ -97,29 +101,53 @@ def _partition(source: Source, scheme: str, num_users: int, seed: int, classes_p
     return Partition(Rows.from_lists(train), Rows.from_lists(test))
 
 
-def _flwr_partition(labels: np.ndarray, scheme: str, num_users: int, seed: int,
+def _skewed_rows(labels: np.ndarray, scheme: str, num_users: int, seed: int,
                     classes_per_user: int, alpha: float) -> list[np.ndarray]:
-    from datasets import Dataset
-    from flwr_datasets.partitioner import DirichletPartitioner, PathologicalPartitioner
-
-    dataset = Dataset.from_dict({"label": labels})
+    """flwr-datasets' split of the training rows, computed here in NumPy so that the core stays
+    Flower-free: the same generator calls in the same order as its ``PathologicalPartitioner``
+    (random class assignment, shuffled) and ``DirichletPartitioner`` (min 10 rows, no
+    self-balancing, shuffled), so the rows are identical (``tests/test_deep.py`` compares with
+    flwr-datasets 0.6 itself)."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    by_class = [np.flatnonzero(labels == c) for c in classes]
+    pieces: list[list[np.ndarray]] = [[] for _ in range(num_users)]
     if scheme == "label-skew":
-        partitioner = PathologicalPartitioner(num_users, "label", classes_per_user,
-                                              class_assignment_mode="random", seed=seed)
+        if classes_per_user > len(classes):
+            raise PartitionError(f"classes-per-user: {classes_per_user} exceeds the "
+                                 f"{len(classes)} classes of the data")
+        held = np.array([rng.choice(classes, size=classes_per_user, replace=False)
+                         for _ in range(num_users)]).reshape(num_users, classes_per_user)
+        for c, rows in zip(classes, by_class, strict=True):
+            holders = np.flatnonzero((held == c).any(axis=1))
+            if not len(holders):
+                continue
+            if len(holders) > len(rows):
+                raise PartitionError(
+                    f"classes-per-user: class {c} would be shared by {len(holders)} users but "
+                    f"has {len(rows)} rows; use fewer users or fewer classes per user")
+            for user, chunk in zip(holders, np.array_split(rows, len(holders)), strict=False):
+                pieces[user].append(chunk)
     else:
-        partitioner = DirichletPartitioner(num_users, "label", alpha, min_partition_size=10,
-                                           seed=seed)
-    partitioner.dataset = dataset
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "classes will NOT be used" is checked below
-            partitioner._determine_partition_id_to_indices_if_needed()
-    except ValueError as err:
-        key = "classes-per-user" if scheme == "label-skew" else "dirichlet-alpha"
-        raise PartitionError(f"{key}: flwr-datasets cannot cut {len(labels)} rows into "
-                             f"{num_users} users this way: {err}") from None
-    mapping = partitioner._partition_id_to_indices  # the partitioner's row lists
-    return [np.asarray(mapping[u], dtype=np.int64) for u in range(num_users)]
+        for attempt in range(11):
+            pieces = [[] for _ in range(num_users)]
+            for rows in by_class:
+                shares = np.cumsum(rng.dirichlet(np.full(num_users, alpha))) * len(rows)
+                for user, chunk in enumerate(np.split(rows, shares.astype(int)[:-1])):
+                    pieces[user].append(chunk)
+            if min(sum(len(c) for c in p) for p in pieces) >= _DIRICHLET_MIN_ROWS:
+                break
+            if attempt == 10:
+                raise PartitionError(
+                    f"dirichlet-alpha: 11 Dirichlet draws left a user with fewer than "
+                    f"{_DIRICHLET_MIN_ROWS} training rows; raise dirichlet-alpha or use fewer "
+                    "users")
+    users = []
+    for chunks in pieces:
+        rows = list(np.concatenate(chunks)) if chunks else []
+        rng.shuffle(rows)  # a list, as flwr-datasets shuffles it
+        users.append(np.asarray(rows, dtype=np.int64))
+    return users
 
 
 def _cut_test(counts: np.ndarray, test_labels: np.ndarray, seed: int) -> list[np.ndarray]:

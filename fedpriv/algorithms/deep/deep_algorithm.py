@@ -197,9 +197,7 @@ class DeepAlgorithm(Algorithm):
     @classmethod
     def _final(cls, config: Any, problem: DeepProblem, model: torch.Tensor,
                user_ids: np.ndarray) -> UserContribution:
-        counts = problem.users.train.counts[user_ids]
-        rows = int(counts.max(initial=1)) + int(problem.users.test.counts.max(initial=1))
-        size = chunk_users(problem, rows, 0, config.chunk_mb)
+        size = _final_chunk(config, problem, user_ids)
         sums: dict[str, float] = {}
         with torch.no_grad():
             for start in range(0, len(user_ids), size):
@@ -258,9 +256,7 @@ class DeepAlgorithm(Algorithm):
         problem = problem_of(config)
         model = torch.from_numpy(np.asarray(arrays["model"], dtype=np.float32)).to(
             problem.device)
-        counts = problem.users.train.counts[user_ids]
-        rows = int(counts.max(initial=1)) + int(problem.users.test.counts.max(initial=1))
-        size = chunk_users(problem, rows, 0, config.chunk_mb)
+        size = _final_chunk(config, problem, user_ids)
         errors = []
         with torch.no_grad():
             for start in range(0, len(user_ids), size):
@@ -268,6 +264,13 @@ class DeepAlgorithm(Algorithm):
                                                 user_ids[start:start + size])
                 errors.append(np.where(seen > 0, 1.0 - acc, 1.0))
         return {"test_error": np.concatenate(errors) if errors else np.zeros(0)}
+
+
+def _final_chunk(config: Any, problem: DeepProblem, user_ids: np.ndarray) -> int:
+    """Users per chunk of the final fit and evaluation (their training and test rows)."""
+    train = int(problem.users.train.counts[user_ids].max(initial=1))
+    return chunk_users(problem, train + int(problem.users.test.counts.max(initial=1)), 0,
+                       config.chunk_mb)
 
 
 def functional_logits(spec: Any, model: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from fedpriv.algorithms.deep.models import ModelSpec
+from fedpriv.privacy.mechanisms import factors_from_norms
 
 
 class _Stop(Exception):
@@ -112,28 +113,25 @@ def local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | No
         return _user_loss(spec, {**own, **head}, xi, yi, mi)
 
     head_params = spec.unflatten_head(heads) if body_only else {}
-    per_user = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))
+    shared = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))  # step 1: every user at ``start``
     stacked = vmap(grad(loss), in_dims=(0, 0, 0, 0, 0))
-    current = start
-    for step in range(steps):
-        params = spec.unflatten(current, body_only=body_only)
-        grads = (per_user if step == 0 else stacked)(params, head_params, x, y, mask)
+    delta = None
+    for _ in range(steps):
+        at = start if delta is None else start + delta
+        params = spec.unflatten(at, body_only=body_only)
+        grads = (shared if delta is None else stacked)(params, head_params, x, y, mask)
         flat = torch.cat([grads[name].reshape(n, -1) for name in params], 1)
-        current = (start - lr * flat) if step == 0 else current - lr * flat
-    return current - start
+        delta = -lr * flat if delta is None else delta - lr * flat
+    return delta
 
 
 def clipped_sum(updates: torch.Tensor, clip: float) -> tuple[np.ndarray, int]:
     """Sum over users of ``updates[i] * min(1, clip / ||updates[i]||)`` (float64), and how many
     were scaled down: ``fedpriv.privacy.mechanisms.clipped_sum`` for torch rows."""
-    if clip <= 0:
-        raise ValueError(f"clip must be positive, got {clip}")
-    norms = torch.linalg.vector_norm(updates, dim=1, dtype=torch.float64)
-    factors = torch.ones_like(norms)
-    over = norms > clip
-    factors[over] = clip / norms[over]
-    total = factors @ updates.to(torch.float64)
-    return total.cpu().numpy(), int(over.sum())
+    norms = torch.linalg.vector_norm(updates, dim=1, dtype=torch.float64).cpu().numpy()
+    factors = factors_from_norms(norms, clip)
+    total = torch.from_numpy(factors).to(updates.device) @ updates.to(torch.float64)
+    return total.cpu().numpy(), int(np.count_nonzero(factors < 1.0))
 
 
 def accuracy_and_loss(logits: torch.Tensor, y: torch.Tensor,
