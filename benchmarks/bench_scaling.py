@@ -126,6 +126,9 @@ def main() -> int:
                     help="a run-config override for every run (e.g. data-dtype=float32)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_scaling"),
                     help="output folder (default: results/bench_scaling)")
+    ap.add_argument("--include", nargs="+", default=[], metavar="JSON",
+                    help="scaling.json files of earlier invocations whose points join the "
+                         "table, the slopes and the figure (a 10^7 point measured alone)")
     args = ap.parse_args()
     config = Path(args.config).expanduser().resolve()
     if not config.is_file():
@@ -136,6 +139,10 @@ def main() -> int:
           "status |")
     print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
+    for earlier in args.include:
+        for r in json.loads(Path(earlier).read_text()):
+            rows.append(r)
+            print(markdown_row(r) + f" (from {earlier})", flush=True)
     for n in sorted(set(args.sizes)):
         for engine in args.engines:
             m = measured_run([f"num-users={n}", "checkpoint=false", *args.sets],
