@@ -3,11 +3,16 @@ what the nodes run) against a plain per-user loop (one ``nn.Module`` and ``torch
 per user, the way a Flower or Opacus example computes one client's update).
 
 Default: the Fashion-MNIST setting of the README (label skew, S = 5, N = 2,000 users, about 30
-training images each, the default MLP). One round of each algorithm family's local work:
+training images each, the default MLP). One round of each algorithm family's local work, up
+to the chunk's clipped sum (what a node sends; ``clip-norm`` as configured):
 
 * FedRep: the head fitted on one batch (``head-steps``), the body updated on the other
   (``body-steps``);
 * FedAvg: ``body-steps`` steps of the whole model on both batches.
+
+With ``body-steps = 1`` and an MLP the vectorized path is ghost clipping
+(``fedpriv/algorithms/deep/ghost_clipping.py``: no per-user gradients formed); otherwise
+``vmap(grad)`` per-user updates and their clipped sum.
 
     python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]
 """
@@ -77,11 +82,14 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if vectorized:
                     with torch.no_grad():  # as the nodes call it (it enables grad inside)
-                        out = cls.local_work(cfg, problem, model, block, first, second)
+                        out = cls.clipped_work(cfg, problem, model, block, first, second,
+                                               cfg.clip_norm)
                 else:
-                    out = loop_round(cfg, problem, model, block, first, second, cls.trains)
+                    updates = loop_round(cfg, problem, model, block, first, second, cls.trains)
+                    out = dm.clipped_sum(updates, cfg.clip_norm)
                 best = min(best, time.perf_counter() - t0)
-            assert out.shape[0] == count
+            assert out[0].shape == (problem.spec.body_size if cls.trains == "body"
+                                    else problem.spec.size,)
             rates.append(count / best)
         print(f"{name:<22}{rates[0]:>20.0f}{rates[1]:>14.0f}{rates[0] / rates[1]:>7.1f}x")
 

@@ -25,7 +25,7 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None, log=pri
     server = PrivateServer(config, parts, log=log, checkpoint_path=checkpoint_path)
     try:
         algorithm_cls = type(server.algorithm)
-        for step in server.pending_steps():
+        while (step := server.next_step()) is not None:
             t0 = time.perf_counter()
             arrays = server.payload(step)
             failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)

@@ -145,8 +145,8 @@ class PrivateStrategy(Strategy):
     # -- the whole run ------------------------------------------------------------------------
     def run(self, grid: Grid) -> dict:
         started = time.perf_counter()
-        for number, step in enumerate(self.server.pending_steps(),
-                                      start=self.server.completed + 1):
+        while (step := self.server.next_step()) is not None:
+            number = self.server.completed + 1
             self._step, self._started = step, time.perf_counter()
             arrays = ArrayRecord({k: Array(np.asarray(v))
                                   for k, v in self.server.payload(step).items()})

@@ -19,6 +19,7 @@ from fedpriv.engine import run_in_process
 from fedpriv.params import ConfigError
 from fedpriv.privacy.mechanisms import clipped_sum
 from fedpriv.registry import get_algorithm
+from fedpriv.server.report import summary_lines
 
 SMALL = {"dataset": "digits", "num-users": 60, "hidden-sizes": "32", "rounds": 2,
          "checkpoint": False, "epsilon": 2.0, "delta": 1e-5}
@@ -190,6 +191,8 @@ def test_every_deep_algorithm_runs_and_learns(tmp_path, algorithm):
     assert 0 <= metrics["accuracy_p10"] <= metrics["accuracy"] + 0.01
     private = get_algorithm(algorithm).private
     assert (results["privacy"]["epsilon"] <= 50.0 + 1e-9) if private else True
+    quality = summary_lines(results)[1]  # the run's summary shows accuracy, not MSE
+    assert f"mean per-user test accuracy {metrics['accuracy']:.4f}" in quality
 
 
 def test_privacy_noise_is_applied_with_the_planned_std(tmp_path):
@@ -263,3 +266,25 @@ def test_a_user_step_answers_for_an_empty_cohort():
     model = problem.spec.initial(0)
     final = cls.user_step(cfg, Step("final"), {"model": model}, np.zeros(0, dtype=np.int64))
     assert final.num_users == 0 and final.metrics["acc_users"] == 0
+
+
+# ----- device ------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA path is "
+                    "tested where torch sees one")
+def test_the_cuda_path_gives_the_cpu_runs_results(tmp_path):
+    """Nodes compute on the GPU when asked; the release and metrics match the CPU run (float
+    tolerance: the kernels differ)."""
+    on_cpu = run(tmp_path, device="cpu", rounds=3)
+    on_gpu = run(tmp_path, device="cuda", rounds=3)
+    assert problem_of(config(device="cuda")).device.type == "cuda"
+    assert on_gpu["privacy"]["ledger"] == on_cpu["privacy"]["ledger"]
+    assert np.allclose(on_gpu["server_state"]["parameters"], on_cpu["server_state"]["parameters"],
+                       atol=1e-4)
+    assert on_gpu["metrics"]["accuracy"] == pytest.approx(on_cpu["metrics"]["accuracy"], abs=0.02)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_asking_for_cuda_without_a_gpu_fails_before_the_run():
+    with pytest.raises(ConfigError, match="device: 'cuda'"):
+        config(device="cuda")
+    assert problem_of(config(device="auto")).device.type == "cpu"

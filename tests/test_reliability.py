@@ -36,11 +36,16 @@ PRIVATE = {
               "label-noise": 0.1, "candidates": 400, "epsilon": 1.0},
     "jl-exp": {"num-users": 600, "dim": 4, "rank": 1, "samples-per-user": 4,
                "feature-dist": "unit-ball", "jl-dim": 4, "cover-radius": 0.5, "epsilon": 1.0},
+    # a torch body on real data, with adaptive clipping (two parts: the update and the count)
+    "deep-private-fedrep": {"dataset": "digits", "num-users": 60, "hidden-sizes": "16",
+                            "rounds": 3, "epsilon": 4.0, "delta": 1e-5, "clip-quantile": 0.5},
 }
 
 
 def make_config(algorithm: str, **overrides) -> RunConfig:
-    values = {"algorithm": algorithm, **PRIVATE[algorithm], "test-samples-per-user": 5}
+    values = {"algorithm": algorithm, **PRIVATE[algorithm]}
+    if not algorithm.startswith("deep-"):
+        values["test-samples-per-user"] = 5
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
     return RunConfig.from_mapping(values)
 
@@ -288,8 +293,8 @@ def _strategy_run(config, grid):
 
 
 HOSTILE_CASES = [(a, k) for a in sorted(PRIVATE) for k in sorted(HOSTILE)
-                 # only Priv-AltMin releases two parts; with one, "missing" means no arrays
-                 if k != "missing-part" or a == "priv-altmin"]
+                 # only these release two parts; with one, "missing" means no arrays
+                 if k != "missing-part" or a in ("priv-altmin", "deep-private-fedrep")]
 
 
 @pytest.mark.parametrize("algorithm,kind", HOSTILE_CASES)
@@ -439,7 +444,8 @@ def _honest(server, step, parts):
 def _interrupted(config: RunConfig, path, stop_after: int, parts: int = 4):
     """Run until ``stop_after`` steps are done, then drop the server (a crash)."""
     server = PrivateServer(config, parts, log=lambda _: None, checkpoint_path=path)
-    for step in server.pending_steps()[:stop_after]:
+    for _ in range(stop_after):  # the next step is asked for after each (adaptive clipping)
+        step = server.next_step()
         server.aggregate(step, _honest(server, step, parts), 0.0)
     server.close()  # the process is gone: the OS would release its lock
     return server

@@ -97,12 +97,19 @@ class PrivateServer:
         return self.replies.bounded_sum(part, accepted)
 
     # ----- steps -----------------------------------------------------------------------------
+    # The algorithm's steps are read again after every step: a step may depend on earlier
+    # releases (adaptive clipping moves the next round's clip norm), never on exact user data.
     @functools.cached_property
     def _steps(self) -> list[Step]:
         return self.algorithm.steps()
 
     def steps(self) -> list[Step]:
         return self._steps
+
+    def next_step(self) -> Step | None:
+        """The step to run now (None: the run is done)."""
+        pending = self.pending_steps()
+        return pending[0] if pending else None
 
     @property
     def completed(self) -> int:
@@ -159,6 +166,7 @@ class PrivateServer:
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
         self.rounds.append(report)
+        self.__dict__.pop("_steps", None)  # the algorithm's state moved: its steps may too
         self.store.save(self._state())  # before anything of this step leaves the server
         self.log(progress_line(report, len(self.steps()), len(self.rounds)))
         return report
@@ -195,6 +203,7 @@ class PrivateServer:
         state = self.store.load(self.config.to_mapping(), self.multipliers, self.pure_epsilons,
                                 self.config.defaults())
         self.algorithm.__dict__.update(state["algorithm"])
+        self.__dict__.pop("_steps", None)
         self.release.load_state(state)
         self.replies.load_state(state)
         self.rounds, self.metrics = state["rounds"], state["metrics"]

@@ -107,6 +107,9 @@ def summary_lines(results: Mapping[str, Any]) -> list[str]:
         quality = (f"  test accuracy {m['test_accuracy']:.4f}   each user alone "
                    f"{m['local_only_accuracy']:.4f}   known embedding "
                    f"{m['known_embedding_accuracy']:.4f}")
+    elif "accuracy" in m:  # deep personalization: each user's test accuracy
+        quality = (f"  mean per-user test accuracy {m['accuracy']:.4f}   10th-percentile user "
+                   f"{m['accuracy_p10']:.2f}   test loss {m['test_loss']:.4f}")
     else:
         quality = (f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
                    f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "

@@ -19,6 +19,7 @@ fits its head from zero with the released body; ``"fine-tune"``: from the global
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ import torch
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, linear_layers
 from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
 from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, problem_of, user_block
 from fedpriv.privacy.accounting import PlannedRelease
@@ -35,6 +37,15 @@ from fedpriv.randomness import user_uniforms
 _SAMPLING_PURPOSE = 0xD5A
 _BATCH_PURPOSE = 0xDBA
 HISTOGRAM_BINS = 101  # per-user accuracy to 1% (for the percentile)
+
+
+UNCLIPPED = "unclipped"  # adaptive clipping's released part: the centred count
+
+
+def adapted_clip(clip: float, unclipped_fraction: float, quantile: float, rate: float) -> float:
+    """Andrew et al. (2021), Alg. 1: the geometric step of the clip norm towards the
+    ``quantile`` of the users' update norms, from the (noisy) fraction of unclipped users."""
+    return clip * math.exp(-rate * (unclipped_fraction - quantile))
 
 
 def bin_keys(prefix: str = "acc") -> list[str]:
@@ -96,6 +107,7 @@ class DeepAlgorithm(Algorithm):
         self.model = spec.initial(config.seed)
         self.release_size = spec.body_size if self.trains == "body" else spec.size
         self.velocity = np.zeros(self.release_size)
+        self.clip = config.clip_norm if config.has("clip-norm") else float("inf")
 
     @classmethod
     def sampling_rate(cls, config: Any) -> float:
@@ -108,11 +120,19 @@ class DeepAlgorithm(Algorithm):
                                self.sampling_rate(self.config))]
 
     def steps(self) -> list[Step]:
+        """T rounds, then the final fit. The rounds carry the current clip norm: with adaptive
+        clipping it moves after each round (the server asks for the next step after each
+        release), and the round also releases the count of unclipped users."""
         c = self.config
-        clip = c.clip_norm if c.clipping else float("inf")
-        part = Part("update", (self.release_size,), clip)
+        clip = self.clip if c.clipping else float("inf")
+        if c.clip_quantile > 0:
+            share = c.clip_count_share
+            parts: tuple[Part, ...] = (Part("update", (self.release_size,), clip, 1.0 - share),
+                                       Part(UNCLIPPED, (1,), 0.5, share))
+        else:
+            parts = (Part("update", (self.release_size,), clip),)
         release = "round" if self.private else None
-        return [*(Step("round", t, release, (part,), population=c.users_per_round or None)
+        return [*(Step("round", t, release, parts, population=c.users_per_round or None)
                   for t in range(1, c.rounds + 1)), Step("final")]
 
     def charge(self, step: Step) -> tuple[list[int] | None, float]:
@@ -134,14 +154,20 @@ class DeepAlgorithm(Algorithm):
         model = self.model.astype(np.float64)
         model[:self.release_size] += self.config.learning_rate * self.velocity
         self.model = model.astype(np.float32)
-        return {"update_norm": float(np.linalg.norm(mean))}
+        report = {"update_norm": float(np.linalg.norm(mean)), "clip_norm": self.clip}
+        if UNCLIPPED in noisy_means:  # adaptive clipping: a post-processing of the noisy count
+            fraction = float(np.asarray(noisy_means[UNCLIPPED]).reshape(-1)[0]) + 0.5
+            self.clip = adapted_clip(self.clip, fraction, self.config.clip_quantile,
+                                     self.config.clip_lr)
+            report["unclipped_fraction"] = fraction
+        return report
 
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
         return summarize(metric_sums)
 
     def state(self) -> dict[str, Any]:
         released = self.model[:self.release_size]
-        return {"model": self.config.model, "released": self.trains,
+        return {"model": self.config.model, "released": self.trains, "clip_norm": self.clip,
                 "parameters": released.astype(float).tolist()}
 
     # ----- user side -------------------------------------------------------------------------
@@ -156,8 +182,10 @@ class DeepAlgorithm(Algorithm):
             return cls._final(config, problem, model, user_ids)
         spec, b = problem.spec, problem.batch_size
         own = spec.body_size if cls.trains == "body" else spec.size
-        size = chunk_users(problem, 2 * b, own * (1 if config.body_steps == 1 else 2),
-                           config.chunk_mb)
+        ghost = config.body_steps == 1 and linear_layers(spec, cls.trains == "body")
+        # per-user parameters held at once: none with ghost clipping (a head each for FedRep)
+        held = spec.size - spec.body_size if ghost else own * min(config.body_steps, 2)
+        size = chunk_users(problem, 2 * b, held, config.chunk_mb)
         total, clipped = np.zeros(own), 0
         clip = step.parts[0].clip_norm
         with torch.no_grad():
@@ -166,33 +194,61 @@ class DeepAlgorithm(Algorithm):
                 block = user_block(problem, ids)
                 first, second = disjoint_batches(config.seed, step.index, ids, block.counts,
                                                  block.y.shape[1], b)
-                updates = cls.local_work(config, problem, model, block, first, second)
-                part, n_clipped = dm.clipped_sum(updates, clip)
+                part, n_clipped = cls.clipped_work(config, problem, model, block, first,
+                                                   second, clip)
                 total += part
                 clipped += n_clipped
-        return UserContribution({"update": total}, len(user_ids), clipped)
+        totals = {"update": total}
+        if len(step.parts) > 1:  # each user's centred bit 1[unclipped] - 1/2 (norm <= 1/2)
+            totals[UNCLIPPED] = np.array([len(user_ids) / 2.0 - clipped])
+        return UserContribution(totals, len(user_ids), clipped)
 
     @classmethod
-    def local_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
-                   first: np.ndarray, second: np.ndarray) -> torch.Tensor:
-        """The chunk's local updates (n, P_released)."""
+    def local_problem(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
+                      first: np.ndarray, second: np.ndarray) -> tuple:
+        """What the chunk's local steps start from and run on: (start, heads, x, y, mask) as
+        ``deep_math.local_updates`` takes them. FedRep fits each user's head on the first batch
+        and trains the body on the second; FedAvg trains the whole model on both."""
         spec = problem.spec
         x1, y1 = _take(block.x, first), _take(block.y, first)
         x2, y2 = _take(block.x, second), _take(block.y, second)
         ones = torch.ones(y1.shape, dtype=torch.float32, device=model.device)
-        if cls.trains == "body":  # FedRep: the head on one batch, the body on the other
+        if cls.trains == "body":
             body = model[:spec.body_size]
             n, b = y1.shape
             feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
             heads = dm.fit_heads(feats.reshape(n, b, -1), y1, ones, spec.num_classes,
                                  config.head_steps, config.head_lr, bias=spec.head_bias)
-            with torch.enable_grad():
-                return dm.local_updates(spec, body, heads, x2, y2, ones, config.body_steps,
-                                        config.local_lr)
-        x, y = torch.cat([x1, x2], 1), torch.cat([y1, y2], 1)  # FedAvg: the whole model
+            return body, heads, x2, y2, ones
+        return (model, None, torch.cat([x1, x2], 1), torch.cat([y1, y2], 1),
+                torch.cat([ones, ones], 1))
+
+    @classmethod
+    def local_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
+                   first: np.ndarray, second: np.ndarray) -> torch.Tensor:
+        """The chunk's local updates (n, P_released), vectorized over users."""
+        start, heads, x, y, mask = cls.local_problem(config, problem, model, block, first,
+                                                     second)
         with torch.enable_grad():
-            return dm.local_updates(spec, model, None, x, y, torch.cat([ones, ones], 1),
-                                    config.body_steps, config.local_lr)
+            return dm.local_updates(problem.spec, start, heads, x, y, mask, config.body_steps,
+                                    config.local_lr)
+
+    @classmethod
+    def clipped_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
+                     first: np.ndarray, second: np.ndarray,
+                     clip: float) -> tuple[np.ndarray, int]:
+        """The chunk's sum of clipped local updates and how many were clipped: by ghost
+        clipping for one local step of a model whose trained layers are all ``nn.Linear``
+        (no per-user gradients formed), else ``local_work`` then ``deep_math.clipped_sum``."""
+        if config.body_steps == 1:
+            start, heads, x, y, mask = cls.local_problem(config, problem, model, block, first,
+                                                         second)
+            ghost = ghost_clipped_sum(problem.spec, start, heads, x, y, mask, config.local_lr,
+                                      clip)
+            if ghost is not None:
+                return ghost
+        return dm.clipped_sum(cls.local_work(config, problem, model, block, first, second),
+                              clip)
 
     @classmethod
     def _final(cls, config: Any, problem: DeepProblem, model: torch.Tensor,

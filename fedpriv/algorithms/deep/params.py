@@ -91,6 +91,8 @@ def _check_rounds(config: Any) -> None:
     if config.users_per_round > config.num_users:
         raise ConfigError(f"users-per-round: {config.users_per_round} exceeds num-users "
                           f"({config.num_users})")
+    if config.clip_quantile > 0 and not config.clipping:
+        raise ConfigError("clip-quantile: adaptive clipping needs clipping = true")
 
 
 ROUNDS = ParamGroup("deep rounds", (
@@ -100,4 +102,14 @@ ROUNDS = ParamGroup("deep rounds", (
     Param("users-per-round", int, 0, "0 = every user every round (as the papers); m > 0 = "
           "Poisson cohorts of expected size m, accounted with sampling amplification",
           non_negative, "an integer >= 0"),
+    Param("clip-quantile", float, 0.0, "0 = the fixed clip-norm; gamma in (0, 1) = adaptive "
+          "clipping (Andrew et al. 2021): the clip starts at clip-norm and follows the "
+          "gamma-quantile of the users' update norms, learned from a noisy count of unclipped "
+          "users released with each round", lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    Param("clip-lr", float, 0.2, "adaptive clipping: the clip's geometric step per round, "
+          "C <- C exp(-clip-lr (noisy unclipped fraction - clip-quantile))", positive,
+          "a number > 0"),
+    Param("clip-count-share", float, 0.05, "adaptive clipping: the share of each round's "
+          "privacy loss spent on the count of unclipped users (the update gets the rest)",
+          lambda x: 0 < x < 1, "a number in (0, 1)"),
 ), _check_rounds)

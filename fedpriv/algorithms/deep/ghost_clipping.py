@@ -1,0 +1,114 @@
+"""Per-user clipped sums of one-step updates without per-user gradients ("ghost clipping").
+
+For one local step the update of user i is ``-lr * grad L_i`` at the shared starting point, and
+for an ``nn.Linear`` layer the gradient is a sum over the user's rows,
+``G_i = sum_r g_r a_r^T`` (``a_r`` the layer's input, ``g_r`` the gradient at its output for row
+r). Its squared Frobenius norm needs only the users' small row Gram matrices
+(Goodfellow 2015; Li et al. 2022, "ghost clipping"):
+
+    ||G_i||^2 = sum_{r, r'} (g_r . g_r') (a_r . a_r'),    ||bias_i||^2 = sum_{r, r'} g_r . g_r'
+
+and the clipped sum ``sum_i f_i G_i`` is one product ``(f * g)^T a`` over all rows, where
+``f_i = min(1, clip / ||update_i||)``. So a node computes its whole chunk with one forward and
+one backward pass as if it were a single large batch, plus ``r x r`` Grams per user and layer;
+the (users x parameters) array of per-user gradients is never formed. ``local_updates`` +
+``deep_math.clipped_sum`` compute the same numbers (a test checks) and remain the path for
+several local steps (the users' parameters then differ) and for layers other than
+``nn.Linear`` (convolutions: ``ghost_clipped_sum`` returns None and the caller falls back).
+
+Privacy-relevant: the norms are computed in float64 from the float32 activations and output
+gradients, plus a rounding slack so that cancellation in the Gram sum can never make a norm
+come out smaller than it is (a user is never under-clipped); the clipped sum is accumulated in
+float64, as ``deep_math.clipped_sum`` does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.models import ModelSpec
+from fedpriv.privacy.mechanisms import factors_from_norms
+
+
+def linear_layers(spec: ModelSpec, body_only: bool) -> list[str] | None:
+    """The modules owning the trained parameters, if every one is an ``nn.Linear`` whose
+    parameters are all trained; else None (no ghost path for this model)."""
+    names = spec.names[:spec.num_body] if body_only else spec.names
+    owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names))
+    for owner in owners:
+        module = spec.module.get_submodule(owner)
+        if not isinstance(module, nn.Linear):
+            return None
+        if {f"{owner}.{p}" for p, _ in module.named_parameters()} - set(names):
+            return None
+    return owners
+
+
+def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | None,
+                      x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, lr: float,
+                      clip: float) -> tuple[np.ndarray, int] | None:
+    """``deep_math.clipped_sum(local_updates(spec, start, heads, x, y, mask, 1, lr), clip)``
+    without per-user gradients, or None where the model has trained layers other than
+    ``nn.Linear`` (or one called more than once per forward pass, or on inputs that are not
+    flat rows). Arguments as ``local_updates``."""
+    body_only = heads is not None
+    owners = linear_layers(spec, body_only)
+    if owners is None:
+        return None
+    n, r = y.shape
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {o: [] for o in owners}
+    handles = [spec.module.get_submodule(o).register_forward_hook(
+        lambda _m, inputs, out, o=o: seen[o].append((inputs[0], out))) for o in owners]
+    rows = x.reshape(n * r, *spec.input_shape)
+    try:
+        with torch.enable_grad():
+            leaf = start.detach().clone().requires_grad_(True)
+            if body_only:
+                feats = dm.features(spec, leaf, rows).reshape(n, r, -1)
+                logits = dm.head_logits(feats, heads, spec.num_classes, spec.head_bias)
+            else:
+                logits = functional_call(spec.module, spec.unflatten(leaf), (rows,))
+                logits = logits.reshape(n, r, -1)
+            ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+            loss = ((ce * mask).sum(1) / mask.sum(1).clamp_min(1.0)).sum()
+            if any(len(calls) != 1 or calls[0][0].dim() != 2 for calls in seen.values()):
+                return None
+            outs = [seen[o][0][1] for o in owners]
+            if not loss.requires_grad:  # nothing trained reaches the loss
+                return None
+            grads = torch.autograd.grad(loss, outs, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    sq = torch.zeros(n, dtype=torch.float64, device=x.device)
+    slack = torch.zeros_like(sq)
+    layers = []
+    for owner, g in zip(owners, grads, strict=True):
+        a = seen[owner][0][0].detach()
+        g = torch.zeros_like(seen[owner][0][1]) if g is None else g
+        a64, g64 = a.reshape(n, r, -1).double(), g.reshape(n, r, -1).double()
+        gram_g = g64 @ g64.transpose(1, 2)  # (n, r, r)
+        terms = gram_g * (a64 @ a64.transpose(1, 2))
+        sq += terms.sum((1, 2))
+        slack += terms.abs().sum((1, 2)) * (a64.shape[2] + g64.shape[2] + r)
+        if spec.module.get_submodule(owner).bias is not None:
+            sq += gram_g.sum((1, 2))
+            slack += gram_g.abs().sum((1, 2)) * (g64.shape[2] + r)
+        layers.append((owner, a, g))
+    eps = float(np.finfo(np.float64).eps)
+    norms = lr * torch.sqrt((sq + 4.0 * eps * slack).clamp_min(0.0))
+    factors = factors_from_norms(norms.cpu().numpy(), clip)
+    weights = torch.from_numpy(-lr * factors).to(x.device).repeat_interleave(r)[:, None]
+    total = {}
+    for owner, a, g in layers:
+        scaled = g.double() * weights  # (n r, out): each row weighted by its user's factor
+        total[f"{owner}.weight"] = scaled.T @ a.double()
+        total[f"{owner}.bias"] = scaled.sum(0)
+    names = spec.names[:spec.num_body] if body_only else spec.names
+    flat = torch.cat([total[name].reshape(-1) for name in names])
+    return flat.cpu().numpy(), int(np.count_nonzero(factors < 1.0))

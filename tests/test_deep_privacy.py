@@ -1,0 +1,175 @@
+"""Deep personalization's privacy machinery: ghost clipping against the per-user updates,
+adaptive clipping (the clip's path, the noisy count, its accounting against an independent
+computation), and the audit of a deep release."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.deep_algorithm import adapted_clip
+from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum
+from fedpriv.algorithms.deep.problem import problem_of, user_block
+from fedpriv.audit import run_audit
+from fedpriv.params import ConfigError
+from tests.test_deep import config, run
+
+
+def _fedrep_and_fedavg_inputs(cfg, users=10):
+    problem = problem_of(cfg)
+    spec = problem.spec
+    flat = torch.from_numpy(spec.initial(0))
+    body = flat[:spec.body_size]
+    block = user_block(problem, np.arange(users))
+    n, r = block.y.shape
+    feats = dm.features(spec, body, block.x.reshape(n * r, *spec.input_shape)).reshape(n, r, -1)
+    heads = dm.fit_heads(feats, block.y, block.mask, spec.num_classes, 10, 1.0,
+                         bias=spec.head_bias)
+    return spec, block, ((body, heads), (flat, None))
+
+
+# ----- ghost clipping ---------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["mlp", "tests.test_deep_privacy:no_bias_tanh"])
+@pytest.mark.parametrize("clip_at", [0.0, 0.5, 1e9])
+def test_ghost_clipping_equals_clipping_the_per_user_updates(model, clip_at):
+    """FedRep's body update and FedAvg's whole-model update with every user clipped, half of
+    them (the clip at the median norm), or none."""
+    spec, block, cases = _fedrep_and_fedavg_inputs(config(model=model, hidden_sizes="32,16"))
+    for start, heads in cases:
+        with torch.enable_grad():
+            updates = dm.local_updates(spec, start, heads, block.x, block.y, block.mask, 1, 0.1)
+        norms = torch.linalg.vector_norm(updates, dim=1).numpy()
+        clip = {0.0: 0.01 * norms.min(), 0.5: float(np.median(norms))}.get(clip_at, clip_at)
+        ghost = ghost_clipped_sum(spec, start, heads, block.x, block.y, block.mask, 0.1, clip)
+        total, clipped = dm.clipped_sum(updates, clip)
+        assert ghost is not None
+        assert ghost[1] == clipped == {0.0: 10, 0.5: 5}.get(clip_at, 0)
+        assert np.abs(total).max() > 1e-4
+        assert np.allclose(ghost[0], total, rtol=1e-5, atol=1e-7 * np.abs(total).max())
+
+
+def no_bias_tanh(shape, classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 24, bias=False),
+                               torch.nn.Tanh(), torch.nn.Linear(24, classes))
+
+
+def test_ghost_clipping_never_lets_a_user_past_the_clip():
+    spec, block, cases = _fedrep_and_fedavg_inputs(config(hidden_sizes="32"), users=1)
+    for start, heads in cases:
+        for scale in (1.0, 1e3, 1e6):
+            total, clipped = ghost_clipped_sum(spec, start, heads, block.x * scale, block.y,
+                                               block.mask, 10.0, 0.5)
+            assert clipped == 1 and np.linalg.norm(total) <= 0.5 * (1 + 1e-9)
+
+
+def test_convolutions_fall_back_to_the_per_user_path():
+    spec, block, cases = _fedrep_and_fedavg_inputs(config(model="cnn"), users=2)
+    for start, heads in cases:
+        assert ghost_clipped_sum(spec, start, heads, block.x, block.y, block.mask, 0.1,
+                                 1.0) is None
+
+
+# ----- adaptive clipping ------------------------------------------------------------------------
+def test_the_clip_steps_geometrically_towards_the_quantile():
+    assert adapted_clip(1.0, 0.5, 0.5, 0.2) == 1.0
+    assert adapted_clip(1.0, 1.0, 0.5, 0.2) == pytest.approx(math.exp(-0.1))  # all unclipped
+    assert adapted_clip(1.0, 0.0, 0.5, 0.2) == pytest.approx(math.exp(0.1))  # all clipped
+
+
+def _released(results):
+    return [r for r in results["rounds"] if r["step"].startswith("round")]
+
+
+def test_adaptive_clipping_follows_the_update_norms_from_either_side(tmp_path):
+    """Started far below every user's update norm the clip grows each round; far above, it
+    shrinks; each round's released update uses the clip the round started with."""
+    keys = dict(rounds=6, epsilon=50.0, clip_quantile=0.5, clip_lr=0.5)
+    low = _released(run(tmp_path, clip_norm=1e-4, **keys))
+    high = _released(run(tmp_path, clip_norm=1e3, **keys))
+    assert low[0]["users_clipped"] == 60 and high[0]["users_clipped"] == 0
+    assert all(b["clip_norm"] > a["clip_norm"] for a, b in zip(low, low[1:], strict=False))
+    assert all(b["clip_norm"] < a["clip_norm"] for a, b in zip(high, high[1:], strict=False))
+    for r in low:  # the next clip is the step the noisy count asked for
+        assert r["clip_norm"] > 0
+
+
+def test_the_unclipped_count_is_released_with_its_planned_noise(tmp_path):
+    """The released fraction minus the exact one (from the operator's clipped count) is the
+    noise of the count part, with the ledger's std."""
+    results = run(tmp_path, rounds=40, epsilon=8.0, clip_quantile=0.5, hidden_sizes="8",
+                  clip_count_share=0.5)
+    rounds = _released(results)
+    exact = np.array([1 - r["users_clipped"] / 60 for r in rounds])
+    noisy = np.array([r["unclipped_fraction"] for r in rounds])
+    stds = [next(p["noise_std"] for p in e["parts"] if p["name"] == "unclipped")
+            for e in results["privacy"]["ledger"]]
+    assert len(set(stds)) == 1 and stds[0] == pytest.approx(
+        0.5 / 60 * results["privacy"]["ledger"][0]["parts"][1]["noise_multiplier"])
+    z = (noisy - exact) / stds[0]
+    assert 0.6 < z.std() < 1.5 and abs(z.mean()) < 4 / np.sqrt(len(z))
+
+
+def _gdp_epsilon(mu: float, delta: float) -> float:
+    """Dong, Roth & Su (2019), Cor. 2.13: the epsilon at delta of mu-GDP."""
+    def excess(eps):
+        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+    return brentq(excess, 0.0, 100.0)
+
+
+def _round_multipliers(results):
+    """Each round's effective multiplier rebuilt from the ledger's parts alone (std and stated
+    sensitivity): composed Gaussians add in 1 / z^2."""
+    return [sum((p["l2_sensitivity"] / p["noise_std"]) ** 2 for p in e["parts"]) ** -0.5
+            for e in results["privacy"]["ledger"]]
+
+
+def test_adaptive_clipping_is_accounted_as_one_gaussian_per_round(tmp_path):
+    """Independent of dp-accounting: T Gaussians of multiplier z are sqrt(T)/z-GDP, and the
+    (epsilon, delta) of GDP is in closed form. The update's sensitivity follows the clip."""
+    results = run(tmp_path, rounds=5, epsilon=2.0, clip_quantile=0.5, clip_norm=0.01)
+    entries = results["privacy"]["ledger"]
+    clips = [r["clip_norm"] for r in _released(results)]
+    assert len(set(clips)) == 5
+    for entry, clip in zip(entries, clips, strict=True):
+        assert entry["parts"][0]["l2_sensitivity"] == pytest.approx(clip / 60)
+    z = _round_multipliers(results)
+    assert z == pytest.approx([results["privacy"]["noise_multipliers"]["round"]] * 5)
+    mu = math.sqrt(sum(1 / zi ** 2 for zi in z))
+    assert results["privacy"]["epsilon"] == pytest.approx(_gdp_epsilon(mu, 1e-5), rel=2e-3)
+    assert results["privacy"]["epsilon"] <= 2.0 + 1e-9
+
+
+def test_adaptive_clipping_with_poisson_cohorts_matches_a_sampled_gaussian_accountant(tmp_path):
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    results = run(tmp_path, rounds=4, users_per_round=20, clip_quantile=0.5, clip_norm=0.01)
+    accountant = pld_privacy_accountant.PLDAccountant()
+    for z in _round_multipliers(results):
+        accountant.compose(dp_accounting.PoissonSampledDpEvent(
+            20 / 60, dp_accounting.GaussianDpEvent(z)))
+    assert results["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
+                                                          rel=1e-3)
+    assert results["privacy"]["epsilon"] <= 2.0 + 1e-9
+
+
+def test_adaptive_clipping_keys_are_checked_before_the_run():
+    with pytest.raises(ConfigError, match="clip-quantile"):
+        config(clip_quantile=1.0)
+    with pytest.raises(ConfigError, match="clip-quantile: adaptive clipping needs clipping"):
+        config("deep-fedrep", clip_quantile=0.5, clipping=False)
+    with pytest.raises(ConfigError, match="clip-count-share"):
+        config(clip_quantile=0.5, clip_count_share=1.0)
+
+
+# ----- audit ------------------------------------------------------------------------------------
+def test_a_deep_release_is_audited():
+    cfg = config(epsilon=1.0, num_users=100, rounds=3)
+    result = run_audit(cfg, trials=4000)
+    assert result.release == "round-1" and not result.violation
+    cut = run_audit(cfg, trials=4000, noise_scale=0.05)
+    assert cut.violation
