@@ -95,19 +95,20 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         gram_g = g64 @ g64.transpose(1, 2)  # (n, r, r)
         terms = gram_g * (a64 @ a64.transpose(1, 2))
         sq += terms.sum((1, 2))
-        slack += terms.abs().sum((1, 2)) * (a64.shape[2] + g64.shape[2] + r)
+        # rounding of the two Grams' dot products and of the r^2-term sum (worst case)
+        slack += terms.abs().sum((1, 2)) * (a64.shape[2] + g64.shape[2] + r * r)
         if spec.module.get_submodule(owner).bias is not None:
             sq += gram_g.sum((1, 2))
-            slack += gram_g.abs().sum((1, 2)) * (g64.shape[2] + r)
-        layers.append((owner, a, g))
+            slack += gram_g.abs().sum((1, 2)) * (g64.shape[2] + r * r)
+        layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
     eps = float(np.finfo(np.float64).eps)
     norms = lr * torch.sqrt((sq + 4.0 * eps * slack).clamp_min(0.0))
     factors = factors_from_norms(norms.cpu().numpy(), clip)
     weights = torch.from_numpy(-lr * factors).to(x.device).repeat_interleave(r)[:, None]
     total = {}
-    for owner, a, g in layers:
-        scaled = g.double() * weights  # (n r, out): each row weighted by its user's factor
-        total[f"{owner}.weight"] = scaled.T @ a.double()
+    for owner, a64, g64 in layers:
+        scaled = g64 * weights  # (n r, out): each row weighted by its user's factor
+        total[f"{owner}.weight"] = scaled.T @ a64
         total[f"{owner}.bias"] = scaled.sum(0)
     names = spec.names[:spec.num_body] if body_only else spec.names
     flat = torch.cat([total[name].reshape(-1) for name in names])
