@@ -60,9 +60,12 @@ LEDGER_KEYS = {"release", "mechanism", "noise_multiplier", "user_group", "user_g
 SEED, NOISE_SEED = 424242, 31337  # distinctive, so a leak is visible wherever it hides
 
 
-@pytest.mark.parametrize("name", PRIVATE)
+@pytest.mark.parametrize("name", [*PRIVATE, "deep-private-fedrep:adaptive"])
 def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processing(name):
+    name, _, variant = name.partition(":")
     extra = {} if name in ("a-exp", "jl-exp") else {"private_metrics": True}
+    if variant == "adaptive":  # the released clip follows the noisy counts
+        extra["clip_quantile"] = 0.5
     report = run_in_process(tiny_config(name, seed=SEED, noise_seed=NOISE_SEED, **extra),
                             log=lambda _: None)
     release = release_document(report)
@@ -99,6 +102,9 @@ def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processi
     leaked = _exact_statistics(report) & {leaf for _, leaf in _walk(carried)
                                           if isinstance(leaf, float) and "/key:" not in _}
     assert not leaked, f"exact statistics in the release: {leaked}"
+    if variant == "adaptive":
+        clips = [r["clip_norm"] for r in report["rounds"] if "clip_norm" in r]
+        assert release["released"]["clip_norm"] not in clips  # the clip after the last round
 
 
 @pytest.mark.parametrize("name", PRIVATE)

@@ -167,8 +167,11 @@ class DeepAlgorithm(Algorithm):
 
     def state(self) -> dict[str, Any]:
         released = self.model[:self.release_size]
-        return {"model": self.config.model, "released": self.trains, "clip_norm": self.clip,
-                "parameters": released.astype(float).tolist()}
+        state = {"model": self.config.model, "released": self.trains,
+                 "parameters": released.astype(float).tolist()}
+        if self.config.has("clip-quantile") and self.config.clip_quantile > 0:
+            state["clip_norm"] = self.clip  # the adaptive clip: a post-processing of the counts
+        return state
 
     # ----- user side -------------------------------------------------------------------------
     @classmethod
