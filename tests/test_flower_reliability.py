@@ -150,7 +150,7 @@ def test_nodes_that_time_out_each_round_do_not_stop_the_run(tmp_path, flower_env
     """One SuperNode in three answers only after node-timeout in every step: each step goes on
     with the others, the failure is recorded, and the privacy spent is unchanged."""
     settings = dict(SETTINGS, rounds=2, node_fault_rate=0.34, node_fault_kind="timeout",
-                    node_timeout=4.0)
+                    node_timeout=8.0)
     results, proc = run_cli(flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     for report in results["rounds"]:
