@@ -243,15 +243,17 @@ class DeepAlgorithm(Algorithm):
         """The chunk's sum of clipped local updates and how many were clipped: by ghost
         clipping for one local step of a model whose trained layers are all ``nn.Linear``
         (no per-user gradients formed), else ``local_work`` then ``deep_math.clipped_sum``."""
+        start, heads, x, y, mask = cls.local_problem(config, problem, model, block, first,
+                                                     second)  # head fits once, either path
         if config.body_steps == 1:
-            start, heads, x, y, mask = cls.local_problem(config, problem, model, block, first,
-                                                         second)
             ghost = ghost_clipped_sum(problem.spec, start, heads, x, y, mask, config.local_lr,
                                       clip)
             if ghost is not None:
                 return ghost
-        return dm.clipped_sum(cls.local_work(config, problem, model, block, first, second),
-                              clip)
+        with torch.enable_grad():
+            updates = dm.local_updates(problem.spec, start, heads, x, y, mask,
+                                       config.body_steps, config.local_lr)
+        return dm.clipped_sum(updates, clip)
 
     @classmethod
     def _final(cls, config: Any, problem: DeepProblem, model: torch.Tensor,

@@ -105,11 +105,12 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
     norms = lr * torch.sqrt((sq + 4.0 * eps * slack).clamp_min(0.0))
     factors = factors_from_norms(norms.cpu().numpy(), clip)
     weights = torch.from_numpy(-lr * factors).to(x.device).repeat_interleave(r)[:, None]
+    names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
     for owner, a64, g64 in layers:
         scaled = g64 * weights  # (n r, out): each row weighted by its user's factor
         total[f"{owner}.weight"] = scaled.T @ a64
-        total[f"{owner}.bias"] = scaled.sum(0)
-    names = spec.names[:spec.num_body] if body_only else spec.names
+        if f"{owner}.bias" in names:
+            total[f"{owner}.bias"] = scaled.sum(0)
     flat = torch.cat([total[name].reshape(-1) for name in names])
     return flat.cpu().numpy(), int(np.count_nonzero(factors < 1.0))
