@@ -2,7 +2,9 @@
 
 A SuperNode hosts the users of its partition (``partition-id`` of ``num-partitions`` in its node
 config), regenerates their data from (seed, user id), and answers each step by calling the
-registered algorithm's ``user_step`` for the whole cohort at once.
+registered algorithm's ``user_step`` for the whole cohort at once. A deep run on your own data
+reads it from the run config's ``data-file``, or from the node config's ``data-file`` where a
+SuperNode has its own copy: of a csv/parquet table it then reads only its own users' rows.
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def _partition(context: Context) -> tuple[int, int]:
         ) from None
 
 
+def _run_config(context: Context, pid: int, parts: int) -> RunConfig:
+    """The run config, with this node's own copy of the data where its node config names one
+    (``data-file=...``): a csv/parquet node then reads only its own users' rows."""
+    values = dict(context.run_config)
+    own_file = context.node_config.get(P.KEY_DATA_FILE)
+    if own_file:
+        values.update({P.KEY_DATA_FILE: str(own_file), P.KEY_DATA_PART: f"{pid}/{parts}"})
+    return RunConfig.from_mapping(values)
+
+
 def _step(msg: Message) -> Step:
     return Step.from_json(str(msg.content[P.CONFIG][P.KEY_STEP]))
 
@@ -51,8 +63,8 @@ def hello(msg: Message, context: Context) -> Message:
 
 def _answer(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    config = RunConfig.from_mapping(context.run_config)
     pid, parts = _partition(context)
+    config = _run_config(context, pid, parts)
     step = _step(msg)
     faulty = pid in failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
     if faulty and config.node_fault_kind == "crash":

@@ -121,6 +121,43 @@ def test_idx_files_are_read_and_a_missing_fashion_mnist_names_the_package(tmp_pa
         config(dataset="fashion-mnist", data_dir=str(tmp_path))
 
 
+def _write_idx(path, array):
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(
+        int(s).to_bytes(4, "big") for s in array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_the_servers_checks_read_fashion_mnist_labels_and_image_headers_only(tmp_path):
+    """A deployment's server validates a Fashion-MNIST config from the label files and the
+    image files' headers: with the images' pixels cut off after their headers it still builds
+    the same partition and model, while a node's full load names the broken file."""
+    rng = np.random.default_rng(0)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    for folder in (full, cut):
+        folder.mkdir()
+    for stem, n in (("train", 600), ("t10k", 100)):
+        images = rng.integers(0, 256, (n, 28, 28))
+        labels = np.repeat(np.arange(10), n // 10)
+        _write_idx(full / f"{stem}-images-idx3-ubyte.gz", images)
+        _write_idx(full / f"{stem}-labels-idx1-ubyte.gz", labels)
+        _write_idx(cut / f"{stem}-labels-idx1-ubyte.gz", labels)
+        header = bytes([0, 0, 0x08, 3]) + b"".join(int(v).to_bytes(4, "big")
+                                                    for v in images.shape)
+        with gzip.open(cut / f"{stem}-images-idx3-ubyte.gz", "wb") as fh:
+            fh.write(header)  # no pixels at all
+    keys = {"dataset": "fashion-mnist", "num-users": 20}
+    server = problem_of(config(**keys, data_dir=str(cut)), features=False)
+    node = problem_of(config(**keys, data_dir=str(full)))
+    assert server.source.x_train.shape == (0, 1, 28, 28)
+    assert server.spec.input_shape == node.spec.input_shape == (1, 28, 28)
+    assert np.array_equal(server.users.train.rows, node.users.train.rows)
+    assert np.array_equal(server.users.test.rows, node.users.test.rows)
+    get_algorithm("deep-private-fedrep").validate(config(**keys, data_dir=str(cut)))
+    with pytest.raises(ConfigError, match="header says"):
+        problem_of(config(**keys, data_dir=str(cut)))
+
+
 # ----- vectorized == per-user loop -------------------------------------------------------------
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 @pytest.mark.parametrize("steps", [1, 3])

@@ -24,6 +24,7 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -551,3 +552,51 @@ def test_simulation_attaches_to_an_existing_ray_cluster(processes):
     # ... and the simulation started no Ray instance of its own
     assert not list(Path(processes.env["RAY_TMPDIR"]).rglob("session_*"))
     assert head.poll() is None  # the cluster outlives the run: it is not the simulation's
+
+
+@pytest.mark.integration
+def test_supernodes_read_only_their_own_users_rows_of_their_own_data_file(processes):
+    """Deep Private FedRep on your own CSV table, deployed: the run config's data-file (what the
+    server reads) has junk for every feature, so it can read only the user, split and label
+    columns; each SuperNode's node config names its own copy, junk in every row but its own
+    users' (parsing any other row fails the run). The run equals the in-process run on the
+    clean file."""
+    from fedpriv.cohorts import partition_users
+    from fedpriv.config import RunConfig
+    from fedpriv.engine import run_in_process
+    from tests.test_tables import KEYS, ROWS, USERS, write_csv
+
+    data = processes.short / "data"
+    data.mkdir()
+    nodes = 2
+    ids = np.unique([r[0] for r in ROWS])
+    for i in range(nodes):
+        own = set(ids[partition_users(USERS, i, nodes)].tolist())
+        write_csv(data / f"node-{i}.csv", junk=lambda k, own=own: ROWS[k][0] not in own)
+    write_csv(data / "server.csv", junk=lambda k: True)
+    settings = {**KEYS, "dataset": "csv", "data-file": str(data / "server.csv"),
+                "users-per-node": USERS // nodes}
+    settings.pop("checkpoint")
+    d = dep.Deployment(num_nodes=nodes, superlink_host="127.0.0.1", bind_host="127.0.0.1",
+                       superlink_port=_free_port(),
+                       node_ports=tuple(_free_port() for _ in range(nodes)), certs=None,
+                       mounted=False, app_dir=str(ROOT),
+                       node_data=str(data / "node-{partition}.csv"))
+    _start_superlink(processes, d, None)
+    for i in range(nodes):
+        processes.start(f"supernode-{i}", dep.supernode_command(d, i))
+    results = processes.short / "results" / "run.json"
+    proc = subprocess.run(_python(dep.submit_command(d, str(results), settings)),
+                          env=processes.env, cwd=processes.logs, capture_output=True,
+                          text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + processes.tails()
+    flower = json.loads(results.read_text())
+    clean = {**settings, "data-file": str(write_csv(data / "clean.csv")), "checkpoint": False}
+    local = run_in_process(RunConfig.from_mapping(clean), num_partitions=nodes,
+                           log=lambda _: None)
+    assert flower["num_nodes"] == nodes
+    assert all(r["nodes_answered"] == nodes for r in flower["rounds"])
+    assert flower["metrics"]["accuracy"] == pytest.approx(local["metrics"]["accuracy"],
+                                                          abs=1e-6)
+    assert flower["metrics"]["accuracy"] > 0.5
+    assert [e["release"] for e in flower["privacy"]["ledger"]] == ["round-1", "round-2"]

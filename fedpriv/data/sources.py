@@ -9,6 +9,10 @@ Nothing is downloaded at run time (the machines this runs on have no internet):
   or a ``data-dir``. A missing file is a ``DatasetError`` naming the package to install.
 * ``npz``: your own data, a NumPy ``.npz`` file with ``x_train, y_train, x_test, y_test`` and,
   for natural users, ``user_train, user_test`` (one user id per row).
+* ``csv`` / ``parquet``: your own data as a table with ``user``, ``split``, ``label`` and feature
+  columns (``fedpriv.data.tables``). These can be read in part: ``table_source`` with the rows a
+  node needs loads only those rows' features (``Source.train_rows``/``test_rows`` say which);
+  with ``features=False`` only the id, split and label columns (all a server's checks need).
 
 Pixels are scaled to [0, 1] and standardized with constants of the dataset (not statistics of
 the users' data, which would be a release). Images keep a channel axis: (N, 1, H, W).
@@ -23,9 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fedpriv.data.tables import TABLE_FORMATS, TableError, table_columns, table_rows
+
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
-SOURCES = ("digits", "fashion-mnist", "npz")
+SOURCES = ("digits", "fashion-mnist", "npz", *TABLE_FORMATS)
 _DIGITS_SPLIT_SEED = 0xD161
 
 
@@ -36,7 +42,9 @@ class DatasetError(ValueError):
 @dataclass(frozen=True, eq=False)
 class Source:
     """A dataset's arrays: features (N, *input_shape) float32, labels (N,) int64, and for data
-    with natural users their user column (else None)."""
+    with natural users their user column (else None). A table read in part holds the features
+    of some rows only: ``train_rows`` (``test_rows``) are then the sorted indices, in the split,
+    of the rows in ``x_train`` (``x_test``); None = every row."""
 
     name: str
     x_train: np.ndarray
@@ -46,25 +54,47 @@ class Source:
     num_classes: int
     user_train: np.ndarray | None = None
     user_test: np.ndarray | None = None
+    train_rows: np.ndarray | None = None
+    test_rows: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
+    def features(self, split: str, rows: np.ndarray) -> np.ndarray:
+        """x of the split's ``rows`` (indices in the split), or a ``DatasetError`` where some
+        were not loaded (a node asked about users that are not its own)."""
+        x = self.x_train if split == "train" else self.x_test
+        held = self.train_rows if split == "train" else self.test_rows
+        if held is None:
+            return x[rows]
+        local = np.minimum(np.searchsorted(held, rows), max(len(held) - 1, 0))
+        if len(held) == 0 or not np.array_equal(held[local], rows):
+            raise DatasetError(f"dataset: {self.name}: rows of the {split} split were asked "
+                               "for that this process did not load (data-part: a node reads "
+                               "only its own users' rows)")
+        return x[local]
 
-def load_source(name: str, data_dir: str = "", data_file: str = "") -> Source:
-    """The named dataset (cached per process: every step of a run reads the same arrays)."""
+
+def load_source(name: str, data_dir: str = "", data_file: str = "",
+                features: bool = True) -> Source:
+    """The named dataset (cached per process: every step of a run reads the same arrays).
+    ``features = False``: labels, user ids and shapes only, where the format allows reading
+    them alone (Fashion-MNIST: the label files and the image files' headers; csv/parquet: the
+    id, split and label columns): the server's checks need no more."""
     if name not in SOURCES:
         raise DatasetError(f"dataset: {name!r} is not one of {', '.join(SOURCES)}")
-    return _load(name, data_dir, data_file)
+    return _load(name, data_dir, data_file, features or name in ("digits", "npz"))
 
 
 @lru_cache(maxsize=4)
-def _load(name: str, data_dir: str, data_file: str) -> Source:
+def _load(name: str, data_dir: str, data_file: str, features: bool) -> Source:
+    if name in TABLE_FORMATS:
+        return table_source(name, data_file, features=features)
     if name == "digits":
         return _digits()
     if name == "fashion-mnist":
-        return _fashion_mnist(Path(data_dir or FASHION_MNIST_DIR))
+        return _fashion_mnist(Path(data_dir or FASHION_MNIST_DIR), features)
     return _npz(Path(data_file))
 
 
@@ -83,20 +113,38 @@ def _digits() -> Source:
     return Source("digits", x[train, None], y[train], x[test, None], y[test], 10)
 
 
+_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4",
+              0x0E: ">f8"}
+
+
+def _idx_header(path: Path, raw: bytes) -> tuple[np.dtype, tuple[int, ...]]:
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise DatasetError(f"{path}: not an IDX file")
+    if raw[2] not in _IDX_TYPES:
+        raise DatasetError(f"{path}: unknown IDX element type {raw[2]:#x}")
+    ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise DatasetError(f"{path}: truncated IDX header")
+    return np.dtype(_IDX_TYPES[raw[2]]), tuple(
+        int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+
+
+def read_idx_shape(path: Path) -> tuple[int, ...]:
+    """The shape of an IDX array from its header alone."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        head = fh.read(4)
+        head += fh.read(4 * head[3]) if len(head) == 4 else b""
+    return _idx_header(path, head)[1]
+
+
 def read_idx(path: Path) -> np.ndarray:
     """An IDX array (LeCun's format: magic, dimensions, big-endian data), gzipped or not."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as fh:
         raw = fh.read()
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise DatasetError(f"{path}: not an IDX file")
-    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4",
-              0x0E: ">f8"}
-    if raw[2] not in dtypes:
-        raise DatasetError(f"{path}: unknown IDX element type {raw[2]:#x}")
-    ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
-    data = np.frombuffer(raw, dtype=dtypes[raw[2]], offset=4 + 4 * ndim)
+    dtype, shape = _idx_header(path, raw)
+    data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * len(shape))
     if data.size != int(np.prod(shape)):
         raise DatasetError(f"{path}: holds {data.size} values, its header says {shape}")
     return data.reshape(shape)
@@ -112,12 +160,16 @@ def _idx_file(directory: Path, stem: str) -> Path:
         "data-dir to a folder with the four IDX files")
 
 
-def _fashion_mnist(directory: Path) -> Source:
-    arrays = {stem: read_idx(_idx_file(directory, stem)) for stem in (
-        "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+def _fashion_mnist(directory: Path, features: bool = True) -> Source:
+    labels = ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte")
+    arrays = {stem: read_idx(_idx_file(directory, stem)) if features or stem in labels
+              else read_idx_shape(_idx_file(directory, stem)) for stem in (
+                  "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                  "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
-    def images(a: np.ndarray) -> np.ndarray:
+    def images(a: np.ndarray | tuple[int, ...]) -> np.ndarray:
+        if isinstance(a, tuple):  # the header's shape only: no rows
+            return np.zeros((0, 1, *a[1:]), dtype=np.float32)
         return ((a.astype(np.float32) / 255.0 - 0.2860) / 0.3530)[:, None]
 
     return Source("fashion-mnist", images(arrays["train-images-idx3-ubyte"]),
@@ -151,3 +203,32 @@ def _npz(path: Path) -> Source:
                   arrays["y_test"].astype(np.int64), int(ys.max()) + 1 if ys.size else 0,
                   None if users[0] is None else np.asarray(users[0]),
                   None if users[1] is None else np.asarray(users[1]))
+
+
+def table_source(fmt: str, data_file: str, train_rows: np.ndarray | None = None,
+                 test_rows: np.ndarray | None = None, features: bool = True) -> Source:
+    """A csv/parquet table as a Source with natural users: every row's label and user id, and
+    the features of every row, of the given rows only (indices in their split), or of none
+    (``features = False``)."""
+    try:
+        cols = table_columns(Path(data_file), fmt)
+    except TableError as err:
+        raise DatasetError(str(err)) from None
+    split = {s: cols.split_rows(s) for s in ("train", "test")}
+    wanted = {"train": train_rows, "test": test_rows}
+    wanted = {s: None if w is None else np.unique(np.asarray(w, dtype=np.int64))
+              for s, w in wanted.items()}
+    if not features:
+        wanted = {s: np.zeros(0, dtype=np.int64) for s in split}
+    x = {}
+    for s, rows in split.items():
+        chosen = rows if wanted[s] is None else rows[wanted[s]]
+        try:
+            x[s] = table_rows(cols, chosen)
+        except TableError as err:
+            raise DatasetError(str(err)) from None
+    held = wanted
+    labels = cols.labels
+    return Source(fmt, x["train"], labels[split["train"]], x["test"], labels[split["test"]],
+                  int(labels.max()) + 1 if labels.size else 0, cols.users[split["train"]],
+                  cols.users[split["test"]], held["train"], held["test"])

@@ -178,7 +178,8 @@ def cmd_commands(args: argparse.Namespace) -> int:
     d = Deployment(num_nodes=args.nodes, superlink_host="127.0.0.1", bind_host="127.0.0.1",
                    node_ports=tuple(NODE_PORT + i for i in range(args.nodes)),
                    certs=None if args.insecure else str(Path(args.certs).resolve()),
-                   mounted=False, app_dir=str(Path(args.app).resolve()))
+                   mounted=False, app_dir=str(Path(args.app).resolve()),
+                   node_data=args.node_data)
     results = str(Path(args.results).expanduser().resolve())
     mode = "TLS + SuperNode authentication" if d.secure else "INSECURE: no TLS, no node auth"
     print(f"# fedpriv deployment as plain processes on 127.0.0.1 ({mode}), in this order;")
@@ -252,6 +253,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--app", default=".", help="the Flower app (this project's folder)")
     p.add_argument("--results", default=f"results/{RESULTS_FILE}")
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.add_argument("--node-data", default="", metavar="PATH",
+                   help="each SuperNode's own copy of a csv/parquet data file ({partition} is "
+                        "its partition id): the node reads only its own users' rows")
 
     p = command("health", cmd_health, "exit 0 once the SuperLink answers")
     connection(p)

@@ -89,6 +89,9 @@ class Deployment:
     mounted: bool = True
     app_dir: str = CONTAINER_APP
     connection: str = CONNECTION
+    # each SuperNode's own copy of a csv/parquet data file ("{partition}" is replaced by the
+    # node's partition id); "" = the nodes read the run config's data-file
+    node_data: str = ""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -144,7 +147,7 @@ def supernode_command(d: Deployment, partition: int, *, role: str | None = None,
         raise ValueError(f"partition {partition} outside [0, {d.num_nodes})")
     argv = ["flower-supernode", "--superlink", d.superlink_address,
             "--host", "127.0.0.1", "--port", str(port or d.node_port(partition)),
-            "--node-config", f"partition-id={partition} num-partitions={d.num_nodes}"]
+            "--node-config", node_config_string(d, partition)]
     if d.secure:
         certs = d.cert_dir(role or node_role(partition))
         argv += ["--root-certificates", f"{certs}/{CA_CERT}",
@@ -152,6 +155,15 @@ def supernode_command(d: Deployment, partition: int, *, role: str | None = None,
     else:
         argv += ["--insecure"]
     return argv
+
+
+def node_config_string(d: Deployment, partition: int) -> str:
+    """A SuperNode's ``--node-config``: its partition, and its own data file where given (the
+    node then reads only its own users' rows of a csv/parquet table; ``clients.app``)."""
+    text = f"partition-id={partition} num-partitions={d.num_nodes}"
+    if d.node_data:
+        text += f" data-file={toml_value(d.node_data.replace('{partition}', str(partition)))}"
+    return text
 
 
 def register_argv(public_key: str, connection: str = CONNECTION) -> list[str]:

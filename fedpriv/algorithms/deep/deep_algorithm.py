@@ -99,11 +99,13 @@ class DeepAlgorithm(Algorithm):
     @classmethod
     def validate(cls, config: Any) -> None:
         super().validate(config)
-        problem_of(config)  # the data, the partition and the model, or a ConfigError
+        # the data, the partition and the model, or a ConfigError; of a csv/parquet table the
+        # server reads the id, split and label columns only
+        problem_of(config, features=False)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        spec = problem_of(config).spec
+        spec = problem_of(config, features=False).spec
         self.model = spec.initial(config.seed)
         self.release_size = spec.body_size if self.trains == "body" else spec.size
         self.velocity = np.zeros(self.release_size)

@@ -9,9 +9,11 @@ from typing import Any
 from fedpriv.algorithms.shared_params import CLIP_NORM, CLIPPING, LEARNING_RATE
 from fedpriv.data.partition import SCHEMES
 from fedpriv.data.sources import SOURCES
+from fedpriv.data.tables import TABLE_FORMATS
 from fedpriv.params import ConfigError, Param, ParamGroup, non_negative, one_of, positive
 
 DEVICES = ("auto", "cpu", "cuda")
+FILE_SOURCES = ("npz", *TABLE_FORMATS)
 
 
 def _hidden_ok(text: str) -> bool:
@@ -24,22 +26,45 @@ def hidden_sizes(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(",")) if text else ()
 
 
+def data_part(text: str) -> tuple[int, int] | None:
+    """``"i/N"`` -> (i, N); ``""`` -> None (every row)."""
+    if not text.strip():
+        return None
+    i, n = (int(p) for p in text.split("/"))
+    return i, n
+
+
+def _part_ok(text: str) -> bool:
+    if not text.strip():
+        return True
+    pieces = text.split("/")
+    return (len(pieces) == 2 and all(p.strip().isdigit() for p in pieces)
+            and int(pieces[0]) < int(pieces[1]))
+
+
 def _check_data(config: Any) -> None:
-    if config.dataset == "npz" and not config.data_file:
-        raise ConfigError("data-file: dataset = \"npz\" needs data-file (a .npz path)")
-    if config.partition == "natural" and config.dataset != "npz":
+    if config.dataset in FILE_SOURCES and not config.data_file:
+        raise ConfigError(f"data-file: dataset = \"{config.dataset}\" needs data-file (the "
+                          "path of your file)")
+    if config.partition == "natural" and config.dataset not in FILE_SOURCES:
         raise ConfigError(f"partition: 'natural' needs data with a user column (dataset = "
-                          f"\"npz\" with user_train, user_test), not {config.dataset!r}")
+                          f"npz, csv or parquet), not {config.dataset!r}")
 
 
 DATA = ParamGroup("deep data", (
     Param("dataset", str, "digits", "`digits` (scikit-learn's bundled 8x8 digits: the fast "
-          "default), `fashion-mnist` (Debian's dataset-fashion-mnist IDX files) or `npz` (your "
-          "own file, data-file)", *one_of(SOURCES)),
+          "default), `fashion-mnist` (Debian's dataset-fashion-mnist IDX files), or your own "
+          "file (data-file): `npz`, `csv` or `parquet`", *one_of(SOURCES)),
     Param("data-dir", str, "", "folder of the Fashion-MNIST IDX files; `\"\"` = "
           "/usr/share/datasets/fashion-mnist", public=False),
-    Param("data-file", str, "", "dataset = \"npz\": a .npz with x_train, y_train, x_test, "
-          "y_test [, user_train, user_test]", public=False),
+    Param("data-file", str, "", "your own data: dataset = \"npz\": a .npz with x_train, "
+          "y_train, x_test, y_test [, user_train, user_test]; `csv` / `parquet`: a table with "
+          "columns user, split (train/test), label and numeric features. A SuperNode's node "
+          "config may name its own copy (`data-file=...`): the node then reads only its own "
+          "users' rows", public=False),
+    Param("data-part", str, "", "csv/parquet: `\"\"` = every row; `i/N` = only the rows of "
+          "the users of node partition i of N (set by the ClientApp when the node config names "
+          "a data-file)", _part_ok, "\"\" or i/N with 0 <= i < N", public=False),
     Param("partition", str, "label-skew", "how rows become users: `label-skew` (S classes per "
           "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column)",
           *one_of(SCHEMES)),

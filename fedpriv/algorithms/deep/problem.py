@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 from fedpriv.algorithms.deep.models import ModelSpec, model_spec
+from fedpriv.algorithms.deep.params import data_part
+from fedpriv.cohorts import partition_users
 from fedpriv.data.partition import Partition, PartitionError, partition
-from fedpriv.data.sources import DatasetError, Source, load_source
+from fedpriv.data.sources import DatasetError, Source, load_source, table_source
+from fedpriv.data.tables import TABLE_FORMATS
 from fedpriv.params import ConfigError
 
 MAX_AUTO_BATCH = 32
@@ -51,21 +54,42 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def problem_of(config: Any) -> DeepProblem:
-    """The config's problem (cached per process), or a ``ConfigError`` naming the key."""
+def problem_of(config: Any, features: bool = True) -> DeepProblem:
+    """The config's problem (cached per process), or a ``ConfigError`` naming the key.
+
+    ``features = False`` reads the labels, user ids and shapes only where the format allows
+    (Fashion-MNIST, csv/parquet; ``load_source``): the partition, the model's shapes and every
+    check, all the server needs. Of a csv/parquet table, ``data-part = "i/N"`` reads only the
+    features of the rows of node partition i's users."""
+    part = "none" if not features else (
+        config.data_part if config.dataset in TABLE_FORMATS else "")
     key = (config.dataset, config.data_dir, config.data_file, config.partition,
            config.num_users, config.seed, config.classes_per_user, config.dirichlet_alpha,
-           config.model, config.hidden_sizes, config.local_batch_size, config.device)
+           config.model, config.hidden_sizes, config.local_batch_size, config.device, part)
     return _problem(key)
+
+
+def _source(dataset: str, data_dir: str, data_file: str, part: str,
+            users: Partition) -> Source:
+    if part in ("", "none"):
+        return load_source(dataset, data_dir, data_file, features=part == "")
+    num_users = len(users.train.counts)
+    own = partition_users(num_users, *data_part(part))
+    need = {s: np.concatenate([rows.rows[rows.offsets[u]:rows.offsets[u + 1]] for u in own]
+                              or [np.zeros(0, dtype=np.int64)])
+            for s, rows in (("train", users.train), ("test", users.test))}
+    return table_source(dataset, data_file, need["train"], need["test"])
 
 
 @lru_cache(maxsize=4)
 def _problem(key: tuple) -> DeepProblem:
     (dataset, data_dir, data_file, scheme, num_users, seed, classes, alpha, model, hidden,
-     batch, device) = key
+     batch, device, part) = key
     try:
-        source = load_source(dataset, data_dir, data_file)
-        users = partition(source, scheme, num_users, seed, classes, alpha)
+        # the partition needs the labels and user ids only: read those first
+        labels = load_source(dataset, data_dir, data_file, features=False)
+        users = partition(labels, scheme, num_users, seed, classes, alpha)
+        source = _source(dataset, data_dir, data_file, part, users)
     except (DatasetError, PartitionError) as err:
         raise ConfigError(str(err)) from None
     spec = model_spec(model, hidden, source.input_shape, source.num_classes)
@@ -83,13 +107,12 @@ def _problem(key: tuple) -> DeepProblem:
 def user_block(problem: DeepProblem, user_ids: np.ndarray, split: str = "train") -> UserBlock:
     """The users' rows of ``split`` as padded tensors on the problem's device."""
     rows_of = problem.users.train if split == "train" else problem.users.test
-    x_all = problem.source.x_train if split == "train" else problem.source.x_test
     y_all = problem.source.y_train if split == "train" else problem.source.y_test
     ids = np.asarray(user_ids, dtype=np.int64)
     rows, counts = rows_of.padded(ids)
     mask = np.arange(rows.shape[1])[None, :] < counts[:, None]
     dev = problem.device
-    return UserBlock(ids, torch.from_numpy(x_all[rows]).to(dev),
+    return UserBlock(ids, torch.from_numpy(problem.source.features(split, rows)).to(dev),
                      torch.from_numpy(y_all[rows]).to(dev),
                      torch.from_numpy(mask.astype(np.float32)).to(dev), counts)
 

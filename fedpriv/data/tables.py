@@ -1,0 +1,182 @@
+"""Your own data as a table, CSV or Parquet, with one row per example: a ``user`` column (the
+natural user id), a ``split`` column (``train`` or ``test``), a ``label`` column (integers >= 0)
+and every other column a numeric feature, in file order.
+
+Two reads, so that a SuperNode of a deployment never holds the whole file:
+
+* ``table_columns``: the ``user``, ``split`` and ``label`` columns of every row and the names of
+  the features. That is all the partition (``fedpriv.data.partition``: a pure function of labels,
+  user ids and the seed) and the checks before a run need; the server reads nothing more.
+* ``table_rows``: the features of the given rows only. A node asks for its own users' rows.
+  Parquet is read by row group, only the groups that hold one of those rows, and only the
+  feature columns; CSV has no index, so the file is streamed once and only the wanted rows are
+  parsed and kept.
+
+Parquet needs ``pyarrow`` (``pip install pyarrow``; it comes with ``flwr-datasets``). CSV needs
+nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+TABLE_FORMATS = ("csv", "parquet")
+USER, SPLIT, LABEL = "user", "split", "label"
+SPLITS = ("train", "test")
+
+
+class TableError(ValueError):
+    """A table cannot be read as a dataset; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, eq=False)
+class TableColumns:
+    """Every row's user id, split ("train"/"test") and label; the feature columns' names."""
+
+    path: Path
+    fmt: str
+    users: np.ndarray
+    splits: np.ndarray
+    labels: np.ndarray
+    features: tuple[str, ...]
+
+    def split_rows(self, split: str) -> np.ndarray:
+        """File rows (0-based, header excluded) of one split, in file order."""
+        return np.flatnonzero(self.splits == split)
+
+
+def _check_file(path: Path, fmt: str) -> None:
+    if fmt not in TABLE_FORMATS:
+        raise TableError(f"dataset: {fmt!r} is not a table format ({', '.join(TABLE_FORMATS)})")
+    if not str(path) or not path.is_file():
+        raise TableError(f"data-file: {str(path)!r} is not a file (dataset = {fmt!r} reads a "
+                         f"table with columns {USER}, {SPLIT}, {LABEL} and numeric features)")
+
+
+def _pyarrow():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:  # pragma: no cover - pyarrow comes with the test extra
+        raise TableError("dataset: 'parquet' needs pyarrow (pip install pyarrow)") from err
+    return pq
+
+
+def _user_ids(values: list[str] | np.ndarray) -> np.ndarray:
+    """User ids as int64 when every id is an integer (so that 9 < 10), else as strings."""
+    array = np.asarray(values)
+    if array.dtype.kind in "iu":
+        return array.astype(np.int64)
+    try:
+        return np.asarray([int(v) for v in array], dtype=np.int64)
+    except (TypeError, ValueError):
+        return array.astype(str)
+
+
+@lru_cache(maxsize=4)
+def table_columns(path: Path, fmt: str) -> TableColumns:
+    """The id, split and label columns (cached per process), checked."""
+    _check_file(path, fmt)
+    if fmt == "csv":
+        with open(path, newline="") as fh:
+            reader = csv.reader(fh)
+            header = next(reader, None)
+            if header is None:
+                raise TableError(f"data-file: {path} is empty (a header row is needed)")
+            where = _locate(path, header)
+            users, splits, labels = [], [], []
+            for line, row in enumerate(reader, start=2):
+                if len(row) != len(header):
+                    raise TableError(f"data-file: {path} line {line} has {len(row)} fields, "
+                                     f"the header {len(header)}")
+                users.append(row[where[USER]])
+                splits.append(row[where[SPLIT]].strip())
+                labels.append(row[where[LABEL]])
+    else:
+        pq = _pyarrow()
+        header = pq.ParquetFile(path).schema_arrow.names
+        _locate(path, header)
+        table = pq.read_table(path, columns=[USER, SPLIT, LABEL])
+        users = table.column(USER).to_numpy(zero_copy_only=False)
+        splits = [str(s) for s in table.column(SPLIT).to_pylist()]
+        labels = table.column(LABEL).to_pylist()
+    try:
+        label_array = np.asarray([int(v) for v in labels], dtype=np.int64)
+    except (TypeError, ValueError):
+        raise TableError(f"data-file: {path}: column {LABEL!r} must hold integers") from None
+    if label_array.size and label_array.min() < 0:
+        raise TableError(f"data-file: {path}: labels must be integers >= 0")
+    split_array = np.asarray(splits, dtype=str)
+    wrong = np.flatnonzero(~np.isin(split_array, SPLITS))
+    if wrong.size:
+        raise TableError(f"data-file: {path}: row {int(wrong[0])} has {SPLIT} = "
+                         f"{split_array[wrong[0]]!r}; it must be 'train' or 'test'")
+    features = tuple(name for name in header if name not in (USER, SPLIT, LABEL))
+    return TableColumns(path, fmt, _user_ids(users), split_array, label_array, features)
+
+
+def _locate(path: Path, header: list[str]) -> dict[str, int]:
+    missing = [name for name in (USER, SPLIT, LABEL) if name not in header]
+    if missing:
+        raise TableError(f"data-file: {path} lacks the column(s) {', '.join(missing)} (a table "
+                         f"dataset has {USER}, {SPLIT}, {LABEL} and feature columns)")
+    if len(header) == 3:
+        raise TableError(f"data-file: {path} has no feature columns")
+    return {name: header.index(name) for name in (USER, SPLIT, LABEL)}
+
+
+def table_rows(columns: TableColumns, rows: np.ndarray) -> np.ndarray:
+    """The features (len(rows), F) float32 of the given file rows, in the order given; nothing
+    else of the file is parsed (CSV) or read (Parquet: only the row groups holding them)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    wanted = np.unique(rows)
+    if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(columns.users)):
+        raise TableError(f"data-file: {columns.path} has no row {int(wanted[-1])}")
+    width = len(columns.features)
+    out = np.empty((len(wanted), width), dtype=np.float32)
+    if columns.fmt == "csv":
+        _csv_rows(columns, wanted, out)
+    else:
+        _parquet_rows(columns, wanted, out)
+    return out[np.searchsorted(wanted, rows)]
+
+
+def _csv_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) -> None:
+    with open(columns.path, newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader)
+        keep = [header.index(name) for name in columns.features]
+        k = 0
+        for row_number, row in enumerate(reader):
+            if k == len(wanted):
+                break
+            if row_number != wanted[k]:
+                continue
+            try:
+                out[k] = [float(row[j]) for j in keep]
+            except ValueError:
+                raise TableError(f"data-file: {columns.path} line {row_number + 2}: a feature "
+                                 "is not a number") from None
+            k += 1
+
+
+def _parquet_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) -> None:
+    pq = _pyarrow()
+    source = pq.ParquetFile(columns.path)
+    sizes = [source.metadata.row_group(g).num_rows for g in range(source.num_row_groups)]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    group_of = np.searchsorted(starts, wanted, side="right") - 1
+    for group in np.unique(group_of):
+        table = source.read_row_group(int(group), columns=list(columns.features))
+        try:
+            block = np.column_stack([table.column(name).to_numpy(zero_copy_only=False)
+                                     for name in columns.features]).astype(np.float32)
+        except (TypeError, ValueError):
+            raise TableError(f"data-file: {columns.path}: feature columns must be "
+                             "numeric") from None
+        mine = group_of == group
+        out[mine] = block[wanted[mine] - starts[group]]

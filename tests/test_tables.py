@@ -1,0 +1,196 @@
+"""Your own data as a CSV or Parquet table: the same arrays as the npz of the same data, a node
+that reads only its own users' rows (and a server that reads only the id, split and label
+columns), the same run as the npz, and every malformed table named before the run."""
+
+import csv
+
+import numpy as np
+import pytest
+
+from fedpriv.algorithms.deep.problem import problem_of, user_block
+from fedpriv.cohorts import partition_users
+from fedpriv.config import RunConfig
+from fedpriv.data import tables
+from fedpriv.data.partition import partition
+from fedpriv.data.sources import DatasetError, load_source, table_source
+from fedpriv.engine import run_in_process
+from fedpriv.params import ConfigError
+
+USERS = 24
+KEYS = {"algorithm": "deep-private-fedrep", "num-users": USERS, "hidden-sizes": "16",
+        "rounds": 2, "checkpoint": False, "epsilon": 2.0, "delta": 1e-5,
+        "partition": "natural"}
+
+
+def _digits_by_user():
+    """Digits cut into USERS label-skewed users with scattered, non-contiguous integer ids, as
+    (user, split, label, features) rows in a shuffled order."""
+    source = load_source("digits")
+    users = partition(source, "label-skew", USERS, 5, 3)
+    ids = 1000 - 37 * np.arange(USERS)  # decreasing: the natural order is not the file order
+    rows = []
+    for split, x, y, part in (("train", source.x_train, source.y_train, users.train),
+                              ("test", source.x_test, source.y_test, users.test)):
+        for u in range(USERS):
+            for r in part.rows[part.offsets[u]:part.offsets[u + 1]]:
+                rows.append((int(ids[u]), split, int(y[r]), x[r].reshape(-1)))
+    order = np.random.default_rng(1).permutation(len(rows))
+    return [rows[i] for i in order]
+
+
+ROWS = _digits_by_user()
+FEATURES = [f"px{i}" for i in range(64)]
+
+
+def write_csv(path, rows=ROWS, header=None, junk=lambda i: False):
+    with open(path, "w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(header or ["label", "user", *FEATURES, "split"])
+        for i, (user, split, label, x) in enumerate(rows):
+            values = ["junk"] * len(x) if junk(i) else [repr(float(v)) for v in x]
+            out.writerow([label, user, *values, split])
+    return path
+
+
+def write_parquet(path, rows=ROWS, row_group_size=100):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    x = np.stack([r[3] for r in rows]).astype(np.float32)
+    columns = {"user": pa.array([r[0] for r in rows], pa.int64()),
+               "split": pa.array([r[1] for r in rows]),
+               "label": pa.array([r[2] for r in rows], pa.int64()),
+               **{name: pa.array(x[:, j]) for j, name in enumerate(FEATURES)}}
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def write_npz(path, rows=ROWS):
+    arrays = {}
+    for split in ("train", "test"):
+        mine = [r for r in rows if r[1] == split]
+        arrays[f"x_{split}"] = np.stack([r[3] for r in mine]).astype(np.float32)
+        arrays[f"y_{split}"] = np.array([r[2] for r in mine], dtype=np.int64)
+        arrays[f"user_{split}"] = np.array([r[0] for r in mine], dtype=np.int64)
+    np.savez(path, **arrays)
+    return path
+
+
+def cfg(dataset, path, **keys):
+    return RunConfig.from_mapping({**KEYS, "dataset": dataset, "data-file": str(path),
+                                   **{k.replace("_", "-"): v for k, v in keys.items()}},
+                                  strict=True)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_table_is_the_same_data_as_the_npz_of_its_rows(tmp_path, fmt):
+    writer = write_csv if fmt == "csv" else write_parquet
+    table = load_source(fmt, data_file=str(writer(tmp_path / f"d.{fmt}")))
+    npz = load_source("npz", data_file=str(write_npz(tmp_path / "d.npz")))
+    for name in ("x_train", "y_train", "x_test", "y_test", "user_train", "user_test"):
+        ours, theirs = getattr(table, name), getattr(npz, name)
+        assert np.array_equal(ours.reshape(len(ours), -1), theirs.reshape(len(theirs), -1)), name
+    assert table.num_classes == npz.num_classes == 10
+    assert table.user_train.dtype == np.int64  # integer ids sort as integers (9 < 10)
+
+
+def test_a_node_reads_only_the_row_groups_of_its_own_users(tmp_path, monkeypatch):
+    """Parquet sorted by user, small row groups: node 1 of 4 reads the feature columns of the
+    groups holding its users' rows and no other group; its blocks equal the full load's."""
+    path = write_parquet(tmp_path / "d.parquet", sorted(ROWS, key=lambda r: r[0]), 60)
+    full = problem_of(cfg("parquet", path))
+    pq = pytest.importorskip("pyarrow.parquet")
+    read = []
+    original = pq.ParquetFile.read_row_group
+
+    def spy(self, i, columns=None, **kw):
+        read.append((i, tuple(columns or ())))
+        return original(self, i, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    node = problem_of(cfg("parquet", path, data_part="1/4"))
+    own = partition_users(USERS, 1, 4)
+    own_rows = sum(int(full.users.train.counts[u]) for u in own)
+    assert node.source.x_train.shape[0] == own_rows < full.source.x_train.shape[0] / 3
+    ordered = sorted(ROWS, key=lambda r: r[0])
+    own_ids = set(np.unique([r[0] for r in ROWS])[own].tolist())
+    expected = {i // 60 for i, r in enumerate(ordered) if r[0] in own_ids}
+    total = pq.ParquetFile(path).num_row_groups
+    assert {i for i, _ in read} == expected and len(expected) < total / 2, (read, total)
+    assert all(set(cols) == set(FEATURES) for _, cols in read)  # features only, not ids
+    for split in ("train", "test"):
+        mine, theirs = user_block(node, own, split), user_block(full, own, split)
+        assert np.array_equal(mine.x.numpy(), theirs.x.numpy())
+        assert np.array_equal(mine.y.numpy(), theirs.y.numpy())
+    with pytest.raises(DatasetError, match="did not load"):
+        user_block(node, np.array([0]), "train")  # user 0 is node 0's
+
+
+def test_a_csv_node_parses_only_its_own_rows_and_the_server_only_the_id_columns(tmp_path):
+    """Features of every row but node 2's are not numbers: node 2 and the server's checks
+    still read the file, because they never parse them; reading every row fails."""
+    ids = np.unique([r[0] for r in ROWS])
+    own_ids = set(ids[partition_users(USERS, 2, 3)].tolist())
+    path = write_csv(tmp_path / "d.csv", junk=lambda i: ROWS[i][0] not in own_ids)
+    node = problem_of(cfg("csv", path, data_part="2/3"))
+    assert np.isfinite(node.source.x_train).all() and len(node.source.x_train) > 0
+    server = problem_of(cfg("csv", path), features=False)
+    assert server.source.x_train.shape == (0, 64) and server.spec.input_shape == (64,)
+    assert np.array_equal(server.users.train.counts, node.users.train.counts)
+    with pytest.raises(ConfigError, match="not a number"):
+        problem_of(cfg("csv", path))
+
+
+def test_a_run_on_a_table_equals_the_run_on_the_npz(tmp_path):
+    runs = {}
+    for fmt, writer in (("csv", write_csv), ("npz", write_npz)):
+        path = writer(tmp_path / f"d.{fmt}")
+        runs[fmt] = run_in_process(cfg(fmt, path, results_path=str(tmp_path / f"{fmt}.json")),
+                                   num_partitions=3, log=lambda _: None)
+    assert runs["csv"]["metrics"] == runs["npz"]["metrics"]
+    assert runs["csv"]["metrics"]["accuracy"] > 0.5
+    assert runs["csv"]["privacy"]["ledger"] == runs["npz"]["privacy"]["ledger"]
+
+
+@pytest.mark.parametrize(("header", "rows", "match"), [
+    (["user", "label", "px0"], None, "lacks the column.*split"),
+    (["user", "split", "label"], None, "no feature columns"),
+    (None, [(1, "validation", 0, np.zeros(64))], "'train' or 'test'"),
+    (None, [(1, "train", -1, np.zeros(64))], "labels must be integers >= 0"),
+])
+def test_a_malformed_table_fails_before_the_run_naming_the_problem(tmp_path, header, rows,
+                                                                     match):
+    path = tmp_path / "bad.csv"
+    with open(path, "w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(header or ["user", "split", "label", *FEATURES])
+        for user, split, label, x in rows or [(1, "train", 0, np.zeros(64))]:
+            out.writerow([user, split, label, *x][:len(header or [0] * 67)])
+    with pytest.raises(ConfigError, match=match):
+        get_validated(cfg("csv", path))
+
+
+def test_missing_files_and_keys_fail_before_the_run(tmp_path):
+    with pytest.raises(ConfigError, match="data-file: dataset = \"parquet\" needs data-file"):
+        RunConfig.from_mapping({**KEYS, "dataset": "parquet"})
+    with pytest.raises(ConfigError, match="is not a file"):
+        get_validated(cfg("csv", tmp_path / "nowhere.csv"))
+    with pytest.raises(ConfigError, match="data-part"):
+        cfg("csv", tmp_path / "d.csv", data_part="3/2")
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("user,split,label,px0\n1,train,0,0.5\n2,train,1\n")
+    with pytest.raises(ConfigError, match="line 3 has 3 fields"):
+        get_validated(cfg("csv", ragged))
+
+
+def get_validated(config):
+    from fedpriv.registry import get_algorithm
+
+    get_algorithm(config.algorithm).validate(config)
+
+
+def test_table_source_of_no_rows_holds_shapes_and_labels_only(tmp_path):
+    path = write_csv(tmp_path / "d.csv")
+    meta = table_source("csv", str(path), features=False)
+    assert meta.x_train.shape == (0, 64) and meta.x_test.shape == (0, 64)
+    assert len(meta.y_train) == sum(r[1] == "train" for r in ROWS)
+    assert tables.table_columns.cache_info().currsize >= 1  # the columns are read once
