@@ -254,6 +254,21 @@ def test_printed_process_commands_are_the_module_commands(tmp_path, capsys):
         dep.supernode_command(d, 1), dep.submit_command(d, str(tmp_path / "r.json")))]
 
 
+def test_node_data_names_each_supernodes_own_file_in_its_node_config(capsys):
+    """`--node-data` gives each SuperNode its own data file, as Flower parses node configs."""
+    import shlex
+
+    from flwr.common.config import parse_config_args
+
+    assert main(["deploy", "commands", "--insecure", "--nodes", "2", "--app", str(ROOT),
+                 "--node-data", "/data/my users/node-{partition}.parquet"]) == 0
+    nodes = [shlex.split(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("flower-supernode")]
+    configs = [parse_config_args([argv[argv.index("--node-config") + 1]]) for argv in nodes]
+    assert configs == [{"partition-id": i, "num-partitions": 2,
+                        "data-file": f"/data/my users/node-{i}.parquet"} for i in range(2)]
+
+
 def test_deploy_help_lists_its_sub_commands(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
