@@ -7,6 +7,7 @@ import gzip
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.deep import deep_math as dm
@@ -178,6 +179,38 @@ def test_vectorized_local_work_equals_the_per_user_loop(model, steps):
         slow = dm.loop_local_updates(spec, start, h, block.x, block.y, block.counts, steps, 0.1)
         assert fast.abs().max() > 1e-4
         assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "width"), [(6, 40), (40, 6)])  # row space; feature space
+@pytest.mark.parametrize("start", [False, True])
+def test_head_fits_in_either_space_equal_a_per_user_sgd_loop(rows, width, start):
+    """fit_heads descends in the users' row space where they have fewer rows than features
+    (W = W0 + A f): the same iterates as torch.optim.SGD per user from the same start, with
+    padded rows ignored."""
+    gen = torch.Generator().manual_seed(rows)
+    n, c = 5, 4
+    feats = torch.randn(n, rows, width, generator=gen)
+    y = torch.randint(0, c, (n, rows), generator=gen)
+    counts = np.array([rows, rows - 2, 3, rows, 1])
+    mask = torch.from_numpy((np.arange(rows)[None] < counts[:, None]).astype(np.float32))
+    init = 0.3 * torch.randn(n, c * width + c, generator=gen) if start else None
+    fast = dm.fit_heads(feats, y, mask, c, 25, 1.0, init=init)
+    slow = []
+    for i, count in enumerate(counts):
+        head = torch.nn.Linear(width, c)
+        with torch.no_grad():
+            head.weight.copy_(init[i, :c * width].reshape(c, width) if start else 0.0)
+            head.bias.copy_(init[i, c * width:] if start else 0.0)
+        sq = float(feats[i, :count].pow(2).sum(-1).mean())
+        opt = torch.optim.SGD(head.parameters(), lr=1.0 / (0.5 * sq + 0.5))
+        for _ in range(25):
+            opt.zero_grad()
+            F.cross_entropy(head(feats[i, :count]), y[i, :count]).backward()
+            opt.step()
+        slow.append(torch.cat([head.weight.detach().reshape(-1), head.bias.detach()]))
+    moved = fast - (init if start else 0.0)
+    assert moved.abs().max() > 0.05
+    assert torch.allclose(fast, torch.stack(slow), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("algorithm", [a for a in DEEP if a != "deep-local-only"])
