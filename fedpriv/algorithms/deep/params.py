@@ -35,11 +35,11 @@ def data_part(text: str) -> tuple[int, int] | None:
 
 
 def _part_ok(text: str) -> bool:
-    if not text.strip():
-        return True
-    pieces = text.split("/")
-    return (len(pieces) == 2 and all(p.strip().isdigit() for p in pieces)
-            and int(pieces[0]) < int(pieces[1]))
+    try:
+        part = data_part(text)
+    except ValueError:
+        return False
+    return part is None or 0 <= part[0] < part[1]
 
 
 def _check_data(config: Any) -> None:
