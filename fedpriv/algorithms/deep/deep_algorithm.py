@@ -74,6 +74,12 @@ def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float
             "test_loss": sums[f"{prefix}_loss_sum"] / users, "users_evaluated": users}
 
 
+# rows per ghost-clipping call: 2,048-4,096 ran fastest on 2 cores (Fashion-MNIST MLP, one chunk
+# of 480 users split into calls of 1,024 / 2,048 / 3,072 / 4,096 / 8,192 rows: DP-FedAvg 2,041 /
+# 2,207 / 2,170 / 2,096 / 1,746 users/s, Private FedRep 1,689 / 2,139 / 2,336 / 2,408 / 2,381)
+GHOST_ROWS = 3072
+
+
 def disjoint_batches(seed: int, round_index: int, user_ids: np.ndarray, counts: np.ndarray,
                      width: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Two disjoint random batches of ``batch`` positions among each user's ``counts`` rows
@@ -187,10 +193,7 @@ class DeepAlgorithm(Algorithm):
             return cls._final(config, problem, model, user_ids)
         spec, b = problem.spec, problem.batch_size
         own = spec.body_size if cls.trains == "body" else spec.size
-        ghost = config.body_steps == 1 and linear_layers(spec, cls.trains == "body")
-        # per-user parameters held at once: none with ghost clipping (a head each for FedRep)
-        held = spec.size - spec.body_size if ghost else own * min(config.body_steps, 2)
-        size = chunk_users(problem, 2 * b, held, config.chunk_mb)
+        size = cls.round_chunk(config, problem)
         total, clipped = np.zeros(own), 0
         clip = step.parts[0].clip_norm
         with torch.no_grad():
@@ -209,24 +212,38 @@ class DeepAlgorithm(Algorithm):
         return UserContribution(totals, len(user_ids), clipped)
 
     @classmethod
+    def round_chunk(cls, config: Any, problem: DeepProblem) -> int:
+        """Users per vectorized call of a round: what ``chunk-mb`` holds, and with ghost
+        clipping at most ``GHOST_ROWS`` rows (its float64 Grams and products run fastest
+        cache-sized: measured in ``benchmarks/bench_deep_vectorized.py``)."""
+        spec, b = problem.spec, problem.batch_size
+        own = spec.body_size if cls.trains == "body" else spec.size
+        ghost = config.body_steps == 1 and linear_layers(spec, cls.trains == "body")
+        # per-user parameters held at once: none with ghost clipping (a head each for FedRep)
+        held = spec.size - spec.body_size if ghost else own * min(config.body_steps, 2)
+        size = chunk_users(problem, 2 * b, held, config.chunk_mb)
+        return min(size, max(1, GHOST_ROWS // (2 * b))) if ghost else size
+
+    @classmethod
     def local_problem(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
                       first: np.ndarray, second: np.ndarray) -> tuple:
         """What the chunk's local steps start from and run on: (start, heads, x, y, mask) as
         ``deep_math.local_updates`` takes them. FedRep fits each user's head on the first batch
         and trains the body on the second; FedAvg trains the whole model on both."""
         spec = problem.spec
+        if cls.trains != "body":  # both batches' rows in one gather
+            both = np.concatenate([first, second], 1)
+            y = _take(block.y, both)
+            return (model, None, _take(block.x, both), y,
+                    torch.ones(y.shape, dtype=torch.float32, device=model.device))
         x1, y1 = _take(block.x, first), _take(block.y, first)
-        x2, y2 = _take(block.x, second), _take(block.y, second)
         ones = torch.ones(y1.shape, dtype=torch.float32, device=model.device)
-        if cls.trains == "body":
-            body = model[:spec.body_size]
-            n, b = y1.shape
-            feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
-            heads = dm.fit_heads(feats.reshape(n, b, -1), y1, ones, spec.num_classes,
-                                 config.head_steps, config.head_lr, bias=spec.head_bias)
-            return body, heads, x2, y2, ones
-        return (model, None, torch.cat([x1, x2], 1), torch.cat([y1, y2], 1),
-                torch.cat([ones, ones], 1))
+        body = model[:spec.body_size]
+        n, b = y1.shape
+        feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
+        heads = dm.fit_heads(feats.reshape(n, b, -1), y1, ones, spec.num_classes,
+                             config.head_steps, config.head_lr, bias=spec.head_bias)
+        return body, heads, _take(block.x, second), _take(block.y, second), ones
 
     @classmethod
     def local_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,

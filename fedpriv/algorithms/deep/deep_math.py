@@ -133,14 +133,17 @@ def local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | No
     head_params = spec.unflatten_head(heads) if body_only else {}
     shared = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))  # step 1: every user at ``start``
     stacked = vmap(grad(loss), in_dims=(0, 0, 0, 0, 0))
-    delta = None
-    for _ in range(steps):
-        at = start if delta is None else start + delta
-        params = spec.unflatten(at, body_only=body_only)
-        grads = (shared if delta is None else stacked)(params, head_params, x, y, mask)
-        flat = torch.cat([grads[name].reshape(n, -1) for name in params], 1)
-        delta = -lr * flat if delta is None else delta - lr * flat
-    return delta
+    # each user's own parameters, stepped in place through per-layer views as the per-user
+    # loop's ``p -= lr * grad``; one step starts from zero, so it returns -lr * grad exactly
+    own = (torch.zeros(n, start.shape[0], dtype=start.dtype, device=start.device) if steps == 1
+           else start.repeat(n, 1))
+    views = spec.unflatten(own, body_only=body_only)
+    for step in range(steps):
+        params = views if step else spec.unflatten(start, body_only=body_only)
+        grads = (stacked if step else shared)(params, head_params, x, y, mask)
+        for name, view in views.items():
+            view.sub_(grads[name], alpha=lr)
+    return own if steps == 1 else own - start
 
 
 def clipped_sum(updates: torch.Tensor, clip: float) -> tuple[np.ndarray, int]:

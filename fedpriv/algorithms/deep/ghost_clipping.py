@@ -92,14 +92,17 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         a = seen[owner][0][0].detach()
         g = torch.zeros_like(seen[owner][0][1]) if g is None else g
         a64, g64 = a.reshape(n, r, -1).double(), g.reshape(n, r, -1).double()
-        gram_g = g64 @ g64.transpose(1, 2)  # (n, r, r)
-        terms = gram_g * (a64 @ a64.transpose(1, 2))
-        sq += terms.sum((1, 2))
-        # rounding of the two Grams' dot products and of the r^2-term sum (worst case)
-        slack += terms.abs().sum((1, 2)) * (a64.shape[2] + g64.shape[2] + r * r)
+        gram_g = torch.bmm(g64, g64.transpose(1, 2))  # (n, r, r)
+        sq += (gram_g * torch.bmm(a64, a64.transpose(1, 2))).sum((1, 2))
+        # rounding of the Grams' dot products and of the r^2-term sum, worst case: every
+        # |g_r . g_r'| <= |g_r| |g_r'| (Cauchy-Schwarz), so the error is at most
+        # (d_a + d_g + r^2) u (sum_r |g_r| |a_r|)^2, with no assumption on cancellation
+        g_norms = torch.linalg.vector_norm(g64, dim=2)  # (n, r)
+        rho = (g_norms * torch.linalg.vector_norm(a64, dim=2)).sum(1)
+        slack += rho * rho * (a64.shape[2] + g64.shape[2] + r * r)
         if spec.module.get_submodule(owner).bias is not None:
             sq += gram_g.sum((1, 2))
-            slack += gram_g.abs().sum((1, 2)) * (g64.shape[2] + r * r)
+            slack += g_norms.sum(1) ** 2 * (g64.shape[2] + r * r)
         layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
     eps = float(np.finfo(np.float64).eps)
     norms = lr * torch.sqrt((sq + 4.0 * eps * slack).clamp_min(0.0))

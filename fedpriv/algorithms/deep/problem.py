@@ -45,6 +45,11 @@ class UserBlock:
     mask: torch.Tensor
     counts: np.ndarray
 
+    def part(self, users: slice) -> UserBlock:
+        """The block of a slice of its users (views, no copy)."""
+        return UserBlock(self.user_ids[users], self.x[users], self.y[users], self.mask[users],
+                         self.counts[users])
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
