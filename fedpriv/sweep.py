@@ -340,6 +340,8 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         # one BLAS thread per worker: the workers already use every core
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, "1")
+        for var, value in MALLOC_ENV.items():  # read by glibc as each worker starts
+            os.environ.setdefault(var, value)
         import multiprocessing
 
         with ProcessPoolExecutor(max_workers=jobs,
@@ -351,6 +353,14 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
                 report(run, results[run])
     log(f"fedpriv sweep {spec.name}: finished in {_clock(time.perf_counter() - started)}")
     return summarize(spec, results)
+
+
+# glibc malloc for the workers: keep freed memory (up to 32 MiB blocks) instead of handing it
+# back and faulting it in again on every vectorized step. Measured on a deep local-only run
+# (Fashion-MNIST, N = 2,000, two runs side by side): 68 s without, 44 s with; a Private FedRep
+# run: 35 s either way. A variable already set in the environment wins.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
+              "MALLOC_TOP_PAD_": str(512 * 2**20)}
 
 
 def _clock(seconds: float) -> str:
