@@ -194,3 +194,32 @@ def test_table_source_of_no_rows_holds_shapes_and_labels_only(tmp_path):
     assert meta.x_train.shape == (0, 64) and meta.x_test.shape == (0, 64)
     assert len(meta.y_train) == sum(r[1] == "train" for r in ROWS)
     assert tables.table_columns.cache_info().currsize >= 1  # the columns are read once
+
+
+def test_a_table_of_images_runs_a_cnn_as_the_npz_of_the_images_does(tmp_path):
+    """input-shape = "1,8,8": a table's 64 feature columns become one-channel 8 x 8 images
+    (row-major, as numpy reshapes), the cnn runs on them, and the run equals the run on an npz
+    holding the images as (N, 1, 8, 8) arrays; a shape of another size fails before the run,
+    naming the key, on the server's columns-only read too."""
+    path = write_csv(tmp_path / "d.csv")
+    images = tmp_path / "images.npz"
+    flat = np.load(write_npz(tmp_path / "flat.npz"))
+    np.savez(images, **{k: (flat[k].reshape(len(flat[k]), 1, 8, 8) if k.startswith("x_")
+                            else flat[k]) for k in flat.files})
+    keys = {"model": "cnn", "rounds": 1, "head_steps": 5, "final_head_steps": 5}
+    table = problem_of(cfg("csv", path, input_shape="1,8,8", **keys))
+    assert table.spec.input_shape == (1, 8, 8)
+    assert problem_of(cfg("csv", path, input_shape="1,8,8", **keys),
+                      features=False).spec.input_shape == (1, 8, 8)
+    block = user_block(table, np.arange(3))
+    assert block.x.shape[2:] == (1, 8, 8)
+    runs = {}
+    for name, config in (("csv", cfg("csv", path, input_shape="1,8,8", **keys)),
+                         ("npz", cfg("npz", images, **keys))):
+        runs[name] = run_in_process(config, num_partitions=2, log=lambda _: None)
+    assert runs["csv"]["metrics"] == runs["npz"]["metrics"]
+    for bad in ("1,9,9", "64,2"):
+        with pytest.raises(ConfigError, match=r"input-shape: .* holds \d+ values.*\(64,\)"):
+            get_validated(cfg("csv", path, input_shape=bad, **keys))
+    with pytest.raises(ConfigError, match="input-shape"):
+        cfg("csv", path, input_shape="1,x")

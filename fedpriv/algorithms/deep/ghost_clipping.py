@@ -18,8 +18,15 @@ several local steps (the users' parameters then differ) and for layers other tha
 
 Privacy-relevant: the norms are computed in float64 from the float32 activations and output
 gradients, plus a rounding slack so that cancellation in the Gram sum can never make a norm
-come out smaller than it is (a user is never under-clipped); the clipped sum is accumulated in
-float64, as ``deep_math.clipped_sum`` does.
+come out smaller than it is (a user is never under-clipped). The slack is a worst case that
+assumes nothing about cancellation: every Gram entry and every product of two is within
+``(d_a + d_g + r^2) u`` of exact relative to ``|g_r| |g_r'| |a_r| |a_r'|`` (Cauchy-Schwarz
+bounds ``|g_r . g_r'|`` by the norms), so the squared norm's error is at most that times
+``rho^2``, ``rho = sum_r |g_r| |a_r|`` (u = 2^-53; the code adds eight times that, a margin
+for the rounding of rho itself and of the sums over layers).
+The clipped sum is accumulated in float64, as ``deep_math.clipped_sum`` does: a float32
+accumulation over a chunk's thousands of rows could move one user's share by far more than
+float64's 2^-53 relative, and that error would depend on the other users' rows.
 """
 
 from __future__ import annotations

@@ -71,6 +71,10 @@ DATA = ParamGroup("deep data", (
     Param("classes-per-user", int, 5, "S of label-skew", positive, "an integer >= 1"),
     Param("dirichlet-alpha", float, 0.5, "alpha of the dirichlet partition", positive,
           "a number > 0"),
+    Param("input-shape", str, "", "the shape of one input, comma-separated (e.g. `1,28,28`: "
+          "a table's 784 feature columns as one-channel 28 x 28 images, for `model = \"cnn\"`); "
+          "`\"\"` = as the data holds it. Its product must equal the data's feature count",
+          _hidden_ok, "\"\" or comma-separated integers > 0"),
 ), _check_data)
 
 

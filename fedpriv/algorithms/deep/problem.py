@@ -8,7 +8,7 @@ tensors with a mask, which is what the vectorized math (``deep_math``) reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedpriv.algorithms.deep.models import ModelSpec, model_spec
-from fedpriv.algorithms.deep.params import data_part
+from fedpriv.algorithms.deep.params import data_part, hidden_sizes
 from fedpriv.cohorts import partition_users
 from fedpriv.data.partition import Partition, PartitionError, partition
 from fedpriv.data.sources import DatasetError, Source, load_source, table_source
@@ -70,8 +70,23 @@ def problem_of(config: Any, features: bool = True) -> DeepProblem:
         config.data_part if config.dataset in TABLE_FORMATS else "")
     key = (config.dataset, config.data_dir, config.data_file, config.partition,
            config.num_users, config.seed, config.classes_per_user, config.dirichlet_alpha,
-           config.model, config.hidden_sizes, config.local_batch_size, config.device, part)
+           config.model, config.hidden_sizes, config.local_batch_size, config.device, part,
+           config.input_shape)
     return _problem(key)
+
+
+def reshaped(source: Source, text: str) -> Source:
+    """The source with every input reshaped to ``input-shape`` (``""``: unchanged), or a
+    ``ConfigError`` naming the key where the sizes differ."""
+    shape = hidden_sizes(text)
+    if not shape or shape == source.input_shape:
+        return source
+    if int(np.prod(shape)) != int(np.prod(source.input_shape)):
+        raise ConfigError(f"input-shape: {text!r} holds {int(np.prod(shape))} values; the "
+                          f"data's inputs have shape {source.input_shape} "
+                          f"({int(np.prod(source.input_shape))} values)")
+    return replace(source, x_train=source.x_train.reshape(len(source.x_train), *shape),
+                   x_test=source.x_test.reshape(len(source.x_test), *shape))
 
 
 def _source(dataset: str, data_dir: str, data_file: str, part: str,
@@ -89,12 +104,12 @@ def _source(dataset: str, data_dir: str, data_file: str, part: str,
 @lru_cache(maxsize=4)
 def _problem(key: tuple) -> DeepProblem:
     (dataset, data_dir, data_file, scheme, num_users, seed, classes, alpha, model, hidden,
-     batch, device, part) = key
+     batch, device, part, shape) = key
     try:
         # the partition needs the labels and user ids only: read those first
         labels = load_source(dataset, data_dir, data_file, features=False)
         users = partition(labels, scheme, num_users, seed, classes, alpha)
-        source = _source(dataset, data_dir, data_file, part, users)
+        source = reshaped(_source(dataset, data_dir, data_file, part, users), shape)
     except (DatasetError, PartitionError) as err:
         raise ConfigError(str(err)) from None
     spec = model_spec(model, hidden, source.input_shape, source.num_classes)
