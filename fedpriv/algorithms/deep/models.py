@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedpriv.algorithms.deep.params import hidden_sizes
+from fedpriv.algorithms.deep.params import sizes
 from fedpriv.params import ConfigError
 
 
@@ -55,7 +55,7 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
 def _factory(model: str, hidden: str):
     if model == "mlp":
-        widths = hidden_sizes(hidden)
+        widths = sizes(hidden)
         return lambda shape, classes: mlp(shape, classes, widths)
     if model == "cnn":
         return cnn

@@ -16,12 +16,13 @@ DEVICES = ("auto", "cpu", "cuda")
 FILE_SOURCES = ("npz", *TABLE_FORMATS)
 
 
-def _hidden_ok(text: str) -> bool:
+def _sizes_ok(text: str) -> bool:
     parts = [p.strip() for p in text.split(",")] if text.strip() else []
     return all(p.isdigit() and int(p) > 0 for p in parts)
 
 
-def hidden_sizes(text: str) -> tuple[int, ...]:
+def sizes(text: str) -> tuple[int, ...]:
+    """``"256,128"`` -> (256, 128); ``""`` -> () (hidden-sizes, input-shape)."""
     text = text.strip()
     return tuple(int(p) for p in text.split(",")) if text else ()
 
@@ -74,7 +75,7 @@ DATA = ParamGroup("deep data", (
     Param("input-shape", str, "", "the shape of one input, comma-separated (e.g. `1,28,28`: "
           "a table's 784 feature columns as one-channel 28 x 28 images, for `model = \"cnn\"`); "
           "`\"\"` = as the data holds it. Its product must equal the data's feature count",
-          _hidden_ok, "\"\" or comma-separated integers > 0"),
+          _sizes_ok, "\"\" or comma-separated integers > 0"),
 ), _check_data)
 
 
@@ -89,7 +90,7 @@ MODEL = ParamGroup("deep model", (
           "`package.module:factory` called as factory(input_shape, num_classes) -> "
           "torch.nn.Module; its last Linear layer is the personal head, the rest the body"),
     Param("hidden-sizes", str, "256,128", "mlp: hidden layer widths, comma-separated",
-          _hidden_ok, "comma-separated integers > 0"),
+          _sizes_ok, "comma-separated integers > 0"),
     Param("device", str, "auto", "`auto` (cuda when available), `cpu` or `cuda`",
           *one_of(DEVICES)),
     Param("chunk-mb", float, 512.0, "memory budget of one vectorized chunk of users: a node "

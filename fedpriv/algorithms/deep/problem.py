@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedpriv.algorithms.deep.models import ModelSpec, model_spec
-from fedpriv.algorithms.deep.params import data_part, hidden_sizes
+from fedpriv.algorithms.deep.params import data_part, sizes
 from fedpriv.cohorts import partition_users
 from fedpriv.data.partition import Partition, PartitionError, partition
 from fedpriv.data.sources import DatasetError, Source, load_source, table_source
@@ -78,7 +78,7 @@ def problem_of(config: Any, features: bool = True) -> DeepProblem:
 def reshaped(source: Source, text: str) -> Source:
     """The source with every input reshaped to ``input-shape`` (``""``: unchanged), or a
     ``ConfigError`` naming the key where the sizes differ."""
-    shape = hidden_sizes(text)
+    shape = sizes(text)
     if not shape or shape == source.input_shape:
         return source
     if int(np.prod(shape)) != int(np.prod(source.input_shape)):
