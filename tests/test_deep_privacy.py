@@ -66,6 +66,35 @@ def test_ghost_clipping_never_lets_a_user_past_the_clip():
             assert clipped == 1 and np.linalg.norm(total) <= 0.5 * (1 + 1e-9)
 
 
+def test_ghost_norms_bound_the_exact_norm_under_heavy_cancellation():
+    """Users whose two rows nearly cancel (g_2 = -g_1 (1 + tiny), same input): the Gram sum
+    loses the exact norm to rounding, below it about half the time, and the slack lifts every
+    norm to at least the exact one (computed in rational arithmetic from the same floats)."""
+    from fractions import Fraction
+
+    from fedpriv.algorithms.deep.ghost_clipping import bounded_norms, layer_norm_terms
+
+    rng = np.random.default_rng(0)
+    n, d_a, d_g = 400, 5, 3
+    a = torch.from_numpy(np.repeat(rng.normal(size=(n, 1, d_a)), 2, axis=1))
+    g1 = rng.normal(size=(n, 1, d_g))
+    g = torch.from_numpy(np.concatenate([g1, -g1 * (1 + 1e-12 * rng.normal(size=(n, 1, 1)))], 1))
+    for bias in (False, True):
+        sq, slack = layer_norm_terms(a, g, bias)
+        bounded = bounded_norms(sq, slack).numpy()
+        below = 0
+        for i in range(n):
+            ga = [[sum(Fraction(float(g[i, r, o])) * Fraction(float(a[i, r, j])) for r in (0, 1))
+                   for j in range(d_a)] for o in range(d_g)]
+            exact = sum(v * v for row in ga for v in row)
+            if bias:
+                exact += sum(sum(Fraction(float(g[i, r, o])) for r in (0, 1)) ** 2
+                             for o in range(d_g))
+            below += Fraction(float(sq[i])) < exact
+            assert Fraction(float(bounded[i])) ** 2 >= exact, (i, bias)
+        assert below > n // 10  # the slack is what keeps these users from being under-clipped
+
+
 def test_convolutions_fall_back_to_the_per_user_path():
     spec, block, cases = _fedrep_and_fedavg_inputs(config(model="cnn"), users=2)
     for start, heads in cases:

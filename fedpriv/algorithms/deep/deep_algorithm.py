@@ -74,9 +74,10 @@ def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float
             "test_loss": sums[f"{prefix}_loss_sum"] / users, "users_evaluated": users}
 
 
-# rows per ghost-clipping call: 2,048-4,096 ran fastest on 2 cores (Fashion-MNIST MLP, one chunk
-# of 480 users split into calls of 1,024 / 2,048 / 3,072 / 4,096 / 8,192 rows: DP-FedAvg 2,041 /
-# 2,207 / 2,170 / 2,096 / 1,746 users/s, Private FedRep 1,689 / 2,139 / 2,336 / 2,408 / 2,381)
+# rows (both batches, 2b a user) per ghost-clipping call: 2,048-4,096 ran fastest on 2 cores
+# (Fashion-MNIST MLP, one chunk of 480 users split into calls of 1,024 / 2,048 / 3,072 / 4,096 /
+# 8,192 rows: DP-FedAvg 2,041 / 2,207 / 2,170 / 2,096 / 1,746 users/s, Private FedRep 1,689 /
+# 2,139 / 2,336 / 2,408 / 2,381)
 GHOST_ROWS = 3072
 
 
@@ -214,8 +215,9 @@ class DeepAlgorithm(Algorithm):
     @classmethod
     def round_chunk(cls, config: Any, problem: DeepProblem) -> int:
         """Users per vectorized call of a round: what ``chunk-mb`` holds, and with ghost
-        clipping at most ``GHOST_ROWS`` rows (its float64 Grams and products run fastest
-        cache-sized: measured in ``benchmarks/bench_deep_vectorized.py``)."""
+        clipping at most ``GHOST_ROWS`` rows of their two batches (2b a user: its float64
+        Grams and products run fastest cache-sized; measured as the comment at
+        ``GHOST_ROWS`` says)."""
         spec, b = problem.spec, problem.batch_size
         own = spec.body_size if cls.trains == "body" else spec.size
         ghost = config.body_steps == 1 and linear_layers(spec, cls.trains == "body")

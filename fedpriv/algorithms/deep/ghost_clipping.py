@@ -56,6 +56,35 @@ def linear_layers(spec: ModelSpec, body_only: bool) -> list[str] | None:
     return owners
 
 
+def layer_norm_terms(a64: torch.Tensor, g64: torch.Tensor,
+                     bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per user, the squared Frobenius norm of one ``nn.Linear`` layer's gradient
+    ``sum_r g_r a_r^T`` (and its bias's ``sum_r g_r``) from the r x r Grams, and the slack
+    that bounds its rounding: (sq, slack), each (n,). a64 (n, r, d_a), g64 (n, r, d_g).
+
+    Worst case, with no assumption on cancellation: every ``|g_r . g_r'| <= |g_r| |g_r'|``
+    (Cauchy-Schwarz), so the rounding of the Grams' dot products and of the r^2-term sum is at
+    most ``(d_a + d_g + r^2) u rho^2``, ``rho = sum_r |g_r| |a_r|`` (``bounded_norms`` adds it
+    with a margin)."""
+    r = a64.shape[1]
+    gram_g = torch.bmm(g64, g64.transpose(1, 2))  # (n, r, r)
+    sq = (gram_g * torch.bmm(a64, a64.transpose(1, 2))).sum((1, 2))
+    g_norms = torch.linalg.vector_norm(g64, dim=2)  # (n, r)
+    rho = (g_norms * torch.linalg.vector_norm(a64, dim=2)).sum(1)
+    slack = rho * rho * (a64.shape[2] + g64.shape[2] + r * r)
+    if bias:
+        sq = sq + gram_g.sum((1, 2))
+        slack = slack + g_norms.sum(1) ** 2 * (g64.shape[2] + r * r)
+    return sq, slack
+
+
+def bounded_norms(sq: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
+    """Norms never below the exact ones: ``sqrt(sq + 8 u slack)``, u = 2^-53 (eight times the
+    first-order bound, a margin for the rounding of rho and of the sums over layers)."""
+    eps = float(np.finfo(np.float64).eps)  # 2u
+    return torch.sqrt((sq + 4.0 * eps * slack).clamp_min(0.0))
+
+
 def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | None,
                       x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, lr: float,
                       clip: float) -> tuple[np.ndarray, int] | None:
@@ -99,20 +128,12 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         a = seen[owner][0][0].detach()
         g = torch.zeros_like(seen[owner][0][1]) if g is None else g
         a64, g64 = a.reshape(n, r, -1).double(), g.reshape(n, r, -1).double()
-        gram_g = torch.bmm(g64, g64.transpose(1, 2))  # (n, r, r)
-        sq += (gram_g * torch.bmm(a64, a64.transpose(1, 2))).sum((1, 2))
-        # rounding of the Grams' dot products and of the r^2-term sum, worst case: every
-        # |g_r . g_r'| <= |g_r| |g_r'| (Cauchy-Schwarz), so the error is at most
-        # (d_a + d_g + r^2) u (sum_r |g_r| |a_r|)^2, with no assumption on cancellation
-        g_norms = torch.linalg.vector_norm(g64, dim=2)  # (n, r)
-        rho = (g_norms * torch.linalg.vector_norm(a64, dim=2)).sum(1)
-        slack += rho * rho * (a64.shape[2] + g64.shape[2] + r * r)
-        if spec.module.get_submodule(owner).bias is not None:
-            sq += gram_g.sum((1, 2))
-            slack += g_norms.sum(1) ** 2 * (g64.shape[2] + r * r)
+        layer_sq, layer_slack = layer_norm_terms(
+            a64, g64, spec.module.get_submodule(owner).bias is not None)
+        sq += layer_sq
+        slack += layer_slack
         layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
-    eps = float(np.finfo(np.float64).eps)
-    norms = lr * torch.sqrt((sq + 4.0 * eps * slack).clamp_min(0.0))
+    norms = lr * bounded_norms(sq, slack)
     factors = factors_from_norms(norms.cpu().numpy(), clip)
     weights = torch.from_numpy(-lr * factors).to(x.device).repeat_interleave(r)[:, None]
     names = spec.names[:spec.num_body] if body_only else spec.names
