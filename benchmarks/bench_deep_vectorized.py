@@ -10,8 +10,9 @@ to the chunk's clipped sum (what a node sends; ``clip-norm`` as configured):
   (``body-steps``);
 * FedAvg: ``body-steps`` steps of the whole model on both batches.
 
-With ``body-steps = 1`` and an MLP the vectorized path is ghost clipping
-(``fedpriv/algorithms/deep/ghost_clipping.py``: no per-user gradients formed); otherwise
+With ``body-steps = 1`` and an MLP or the cnn the vectorized path is ghost clipping
+(``fedpriv/algorithms/deep/ghost_clipping.py``: no per-user gradients of the dense layers
+formed; the cnn's conv layers' per-user gradients from one grouped convolution); otherwise
 ``vmap(grad)`` per-user updates and their clipped sum.
 
     python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]

@@ -3,6 +3,9 @@ per-user loops, the deep algorithms' privacy (clipping, noise, Poisson accountin
 input."""
 
 import gzip
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,6 +241,29 @@ def test_each_algorithms_round_equals_a_per_user_loop(algorithm):
         slow = dm.loop_local_updates(spec, model, None, torch.cat([x1, x2], 1),
                                      torch.cat([y1, y2], 1), 2 * full, 2, cfg.local_lr)
     assert torch.allclose(fast, slow, atol=1e-6, rtol=1e-4)
+
+
+def test_the_alignment_of_clipped_updates_is_one_when_users_agree_and_small_when_not():
+    assert dm.clipped_mean_alignment(torch.ones(6, 5)) == pytest.approx(1.0)
+    # one direction, norms k sqrt(5) for k = 1..6: clipped at the median (k = 3)
+    same_way = torch.ones(6, 5) * torch.arange(1.0, 7.0)[:, None]
+    assert dm.clipped_mean_alignment(same_way) == pytest.approx((1 + 2 + 3 * 4) / 6 / 3)
+    orthogonal = torch.eye(16) * 3.0
+    assert dm.clipped_mean_alignment(orthogonal) == pytest.approx(0.25)  # 1 / sqrt(16)
+    opposed = torch.cat([torch.eye(4), -torch.eye(4)])
+    assert dm.clipped_mean_alignment(opposed) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_alignment_benchmark_runs_and_prints_each_algorithm():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_update_alignment.py", "--users", "40", "--set",
+         "dataset=digits", "--set", "num-users=100", "--set", "epsilon=4"],
+        capture_output=True, text=True, timeout=300, check=True,
+        cwd=Path(__file__).resolve().parents[1]).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert set(rows) == {"deep-private-fedrep", "deep-dp-fedavg"}
+    for row in rows.values():
+        assert 0 < float(row[2]) <= 1 and float(row[3]) > 0  # alignment, z
 
 
 def test_the_torch_clipped_sum_bounds_every_user_like_the_numpy_one():

@@ -33,11 +33,13 @@ def _fedrep_and_fedavg_inputs(cfg, users=10):
 
 
 # ----- ghost clipping ---------------------------------------------------------------------------
-@pytest.mark.parametrize("model", ["mlp", "tests.test_deep_privacy:no_bias_tanh"])
+@pytest.mark.parametrize("model", ["mlp", "tests.test_deep_privacy:no_bias_tanh", "cnn",
+                                   "tests.test_deep_privacy:strided_conv"])
 @pytest.mark.parametrize("clip_at", [0.0, 0.5, 1e9])
 def test_ghost_clipping_equals_clipping_the_per_user_updates(model, clip_at):
     """FedRep's body update and FedAvg's whole-model update with every user clipped, half of
-    them (the clip at the median norm), or none."""
+    them (the clip at the median norm), or none; convolutions (per-user gradients from
+    unfolded patches, with and without bias, stride and dilation) beside linear layers."""
     spec, block, cases = _fedrep_and_fedavg_inputs(config(model=model, hidden_sizes="32,16"))
     for start, heads in cases:
         with torch.enable_grad():
@@ -57,8 +59,17 @@ def no_bias_tanh(shape, classes):
                                torch.nn.Tanh(), torch.nn.Linear(24, classes))
 
 
-def test_ghost_clipping_never_lets_a_user_past_the_clip():
-    spec, block, cases = _fedrep_and_fedavg_inputs(config(hidden_sizes="32"), users=1)
+def strided_conv(shape, classes):
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(shape[0], 3, 3, stride=2, padding=1, bias=False), torch.nn.Tanh(),
+        torch.nn.Conv2d(3, 4, 2, dilation=2), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, classes))
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_ghost_clipping_never_lets_a_user_past_the_clip(model):
+    spec, block, cases = _fedrep_and_fedavg_inputs(config(model=model, hidden_sizes="32"),
+                                                   users=1)
     for start, heads in cases:
         for scale in (1.0, 1e3, 1e6):
             total, clipped = ghost_clipped_sum(spec, start, heads, block.x * scale, block.y,
@@ -95,8 +106,23 @@ def test_ghost_norms_bound_the_exact_norm_under_heavy_cancellation():
         assert below > n // 10  # the slack is what keeps these users from being under-clipped
 
 
-def test_convolutions_fall_back_to_the_per_user_path():
-    spec, block, cases = _fedrep_and_fedavg_inputs(config(model="cnn"), users=2)
+def same_padded_conv(shape, classes):
+    return torch.nn.Sequential(torch.nn.Conv2d(shape[0], 2, 3, padding="same"),
+                               torch.nn.Flatten(), torch.nn.Linear(2 * 8 * 8, classes))
+
+
+def grouped_conv(shape, classes):
+    return torch.nn.Sequential(torch.nn.Conv2d(shape[0], 2, 3), torch.nn.ReLU(),
+                               torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 4 * 4, 8), torch.nn.Linear(8, classes))
+
+
+@pytest.mark.parametrize("model", ["same_padded_conv", "grouped_conv"])
+def test_other_convolutions_fall_back_to_the_per_user_path(model):
+    """Convolutions that the unfolded-patch gradients do not cover ("same" padding, groups):
+    ghost clipping answers None and the round takes the vmap path, which still clips them."""
+    cfg = config(model=f"tests.test_deep_privacy:{model}")
+    spec, block, cases = _fedrep_and_fedavg_inputs(cfg, users=2)
     for start, heads in cases:
         assert ghost_clipped_sum(spec, start, heads, block.x, block.y, block.mask, 0.1,
                                  1.0) is None

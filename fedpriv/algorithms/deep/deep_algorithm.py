@@ -28,7 +28,7 @@ import torch
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.deep import deep_math as dm
-from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, linear_layers
+from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
 from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
 from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, problem_of, user_block
 from fedpriv.privacy.accounting import PlannedRelease
@@ -79,6 +79,12 @@ def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float
 # 8,192 rows: DP-FedAvg 2,041 / 2,207 / 2,170 / 2,096 / 1,746 users/s, Private FedRep 1,689 /
 # 2,139 / 2,336 / 2,408 / 2,381)
 GHOST_ROWS = 3072
+# and at most this many floats of the rows' inputs and activations per call (64 MiB float32):
+# memory-bound bodies run faster in smaller calls. It leaves the MLP at GHOST_ROWS (3,072 x
+# 2,346 floats) and gives the built-in cnn (44,954 floats a row) 13 users a call (Fashion-MNIST,
+# 240 users in calls of 4 / 8 / 16 / 30 / 60 users: DP-FedAvg 256 / 267 / 216 / 197 / 155
+# users/s, Private FedRep 212 / 273 / 303 / 323 / 259)
+GHOST_FLOATS = 2**24
 
 
 def disjoint_batches(seed: int, round_index: int, user_ids: np.ndarray, counts: np.ndarray,
@@ -216,15 +222,19 @@ class DeepAlgorithm(Algorithm):
     def round_chunk(cls, config: Any, problem: DeepProblem) -> int:
         """Users per vectorized call of a round: what ``chunk-mb`` holds, and with ghost
         clipping at most ``GHOST_ROWS`` rows of their two batches (2b a user: its float64
-        Grams and products run fastest cache-sized; measured as the comment at
-        ``GHOST_ROWS`` says)."""
+        Grams and products run fastest cache-sized) holding at most ``GHOST_FLOATS`` floats of
+        inputs and activations (measured as the comments there say)."""
         spec, b = problem.spec, problem.batch_size
         own = spec.body_size if cls.trains == "body" else spec.size
-        ghost = config.body_steps == 1 and linear_layers(spec, cls.trains == "body")
+        ghost = config.body_steps == 1 and ghost_layers(spec, cls.trains == "body")
         # per-user parameters held at once: none with ghost clipping (a head each for FedRep)
         held = spec.size - spec.body_size if ghost else own * min(config.body_steps, 2)
         size = chunk_users(problem, 2 * b, held, config.chunk_mb)
-        return min(size, max(1, GHOST_ROWS // (2 * b))) if ghost else size
+        if not ghost:
+            return size
+        per_row = int(np.prod(spec.input_shape)) + spec.activations
+        rows = min(GHOST_ROWS, GHOST_FLOATS // per_row)
+        return min(size, max(1, rows // (2 * b)))
 
     @classmethod
     def local_problem(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,

@@ -155,6 +155,18 @@ def clipped_sum(updates: torch.Tensor, clip: float) -> tuple[np.ndarray, int]:
     return total.cpu().numpy(), int(np.count_nonzero(factors < 1.0))
 
 
+def clipped_mean_alignment(updates: torch.Tensor) -> float:
+    """How much users agree: the norm of the mean of the updates (n, P) clipped at their
+    median norm C, over C. 1 where every user's update is the same; 1/sqrt(n) for n updates of
+    equal norm in orthogonal directions. Against the noise of a release of that mean (norm
+    about z C sqrt(P) / n) it is the round's signal-to-noise ratio
+    (``benchmarks/bench_update_alignment.py``)."""
+    norms = torch.linalg.vector_norm(updates.double(), dim=1)
+    clip = norms.median()
+    factors = torch.clamp(clip / norms.clamp_min(torch.finfo(torch.float64).tiny), max=1.0)
+    return float(torch.linalg.vector_norm((updates.double() * factors[:, None]).mean(0)) / clip)
+
+
 def accuracy_and_loss(logits: torch.Tensor, y: torch.Tensor,
                       mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Per user: the fraction of valid rows classified right, and the mean cross-entropy.

@@ -14,7 +14,17 @@ one backward pass as if it were a single large batch, plus ``r x r`` Grams per u
 the (users x parameters) array of per-user gradients is never formed. ``local_updates`` +
 ``deep_math.clipped_sum`` compute the same numbers (a test checks) and remain the path for
 several local steps (the users' parameters then differ) and for layers other than
-``nn.Linear`` (convolutions: ``ghost_clipped_sum`` returns None and the caller falls back).
+``nn.Linear`` and plain ``nn.Conv2d`` (``ghost_clipped_sum`` returns None, the caller falls
+back).
+
+Convolutions ("mixed ghost clipping", Li et al. 2022; Bu et al. 2023): a conv layer's Gram
+would run over every output position of every row, ``(r L)^2`` entries a user, while its
+weights are few (the built-in cnn: 160 and 4,640). So its per-user gradient is formed
+directly (``G_i = sum_{r, l} g_{r,l} p_{r,l}^T`` over the input patches ``p``, computed as
+the weight gradient of one grouped convolution with the users as groups), and clipped and
+summed like
+``deep_math.clipped_sum`` rows: float32 gradients, their norms and the sum in float64. The
+dense layers after it keep the Gram path, so no user's (users x 200k) dense gradient is formed.
 
 Privacy-relevant: the norms are computed in float64 from the float32 activations and output
 gradients, plus a rounding slack so that cancellation in the Gram sum can never make a norm
@@ -23,7 +33,9 @@ assumes nothing about cancellation: every Gram entry and every product of two is
 ``(d_a + d_g + r^2) u`` of exact relative to ``|g_r| |g_r'| |a_r| |a_r'|`` (Cauchy-Schwarz
 bounds ``|g_r . g_r'|`` by the norms), so the squared norm's error is at most that times
 ``rho^2``, ``rho = sum_r |g_r| |a_r|`` (u = 2^-53; the code adds eight times that, a margin
-for the rounding of rho itself and of the sums over layers).
+for the rounding of rho itself and of the sums over layers). A conv layer's squared norm is a
+float64 sum of P exact squares of its float32 gradient (the vector that is summed), within
+``P u`` of exact relative to itself: its slack is ``P`` times it.
 The clipped sum is accumulated in float64, as ``deep_math.clipped_sum`` does: a float32
 accumulation over a chunk's thousands of rows could move one user's share by far more than
 float64's 2^-53 relative, and that error would depend on the other users' rows.
@@ -42,18 +54,48 @@ from fedpriv.algorithms.deep.models import ModelSpec
 from fedpriv.privacy.mechanisms import factors_from_norms
 
 
-def linear_layers(spec: ModelSpec, body_only: bool) -> list[str] | None:
-    """The modules owning the trained parameters, if every one is an ``nn.Linear`` whose
-    parameters are all trained; else None (no ghost path for this model)."""
+def _plain_conv(module: nn.Module) -> bool:
+    """A 2-d convolution whose per-user gradient ``conv_user_gradients`` forms: one group,
+    zero padding given as numbers (not ``"same"``)."""
+    return (isinstance(module, nn.Conv2d) and module.groups == 1
+            and module.padding_mode == "zeros" and not isinstance(module.padding, str))
+
+
+def ghost_layers(spec: ModelSpec, body_only: bool) -> list[str] | None:
+    """The modules owning the trained parameters, if every one is an ``nn.Linear`` or a plain
+    ``nn.Conv2d`` whose parameters are all trained; else None (no ghost path for this
+    model)."""
     names = spec.names[:spec.num_body] if body_only else spec.names
     owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names))
     for owner in owners:
         module = spec.module.get_submodule(owner)
-        if not isinstance(module, nn.Linear):
+        if not (isinstance(module, nn.Linear) or _plain_conv(module)):
             return None
         if {f"{owner}.{p}" for p, _ in module.named_parameters()} - set(names):
             return None
     return owners
+
+
+def conv_user_gradients(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
+                        n: int) -> torch.Tensor:
+    """Each user's gradient of a conv layer's parameters (weight, then bias), (n, P): a (n r,
+    C, H, W) the layer's input, g (n r, O, H', W') the gradient at its output, r rows a user.
+    The users become the groups of one grouped convolution (rows as its batch, user i's
+    channels as group i), whose weight gradient sums each group over the batch: the n
+    per-user weight gradients in one call, without unfolding the input into patches."""
+    rows, channels = a.shape[:2]
+    r, out = rows // n, g.shape[1]
+    grouped_in = a.reshape(n, r, *a.shape[1:]).transpose(0, 1).reshape(r, n * channels,
+                                                                      *a.shape[2:])
+    grouped_out = g.reshape(n, r, *g.shape[1:]).transpose(0, 1).reshape(r, n * out,
+                                                                       *g.shape[2:])
+    weight = torch.nn.grad.conv2d_weight(
+        grouped_in, (n * out, *module.weight.shape[1:]), grouped_out, module.stride,
+        module.padding, module.dilation, groups=n)
+    parts = [weight.reshape(n, -1)]
+    if module.bias is not None:
+        parts.append(g.reshape(n, r, out, -1).sum((1, 3)))
+    return torch.cat(parts, 1)
 
 
 def layer_norm_terms(a64: torch.Tensor, g64: torch.Tensor,
@@ -89,16 +131,18 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
                       x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, lr: float,
                       clip: float) -> tuple[np.ndarray, int] | None:
     """``deep_math.clipped_sum(local_updates(spec, start, heads, x, y, mask, 1, lr), clip)``
-    without per-user gradients, or None where the model has trained layers other than
-    ``nn.Linear`` (or one called more than once per forward pass, or on inputs that are not
-    flat rows). Arguments as ``local_updates``."""
+    without per-user gradients of the linear layers, or None where the model has trained
+    layers other than ``nn.Linear`` and plain ``nn.Conv2d`` (or one called more than once per
+    forward pass, or a linear layer on inputs that are not flat rows). Arguments as
+    ``local_updates``."""
     body_only = heads is not None
-    owners = linear_layers(spec, body_only)
+    owners = ghost_layers(spec, body_only)
     if owners is None:
         return None
     n, r = y.shape
+    modules = {o: spec.module.get_submodule(o) for o in owners}
     seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {o: [] for o in owners}
-    handles = [spec.module.get_submodule(o).register_forward_hook(
+    handles = [modules[o].register_forward_hook(
         lambda _m, inputs, out, o=o: seen[o].append((inputs[0], out))) for o in owners]
     rows = x.reshape(n * r, *spec.input_shape)
     try:
@@ -112,7 +156,8 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
                 logits = logits.reshape(n, r, -1)
             ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
             loss = ((ce * mask).sum(1) / mask.sum(1).clamp_min(1.0)).sum()
-            if any(len(calls) != 1 or calls[0][0].dim() != 2 for calls in seen.values()):
+            if any(len(seen[o]) != 1 or seen[o][0][0].dim() != (
+                    4 if isinstance(modules[o], nn.Conv2d) else 2) for o in owners):
                 return None
             outs = [seen[o][0][1] for o in owners]
             if not loss.requires_grad:  # nothing trained reaches the loss
@@ -123,19 +168,27 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
             handle.remove()
     sq = torch.zeros(n, dtype=torch.float64, device=x.device)
     slack = torch.zeros_like(sq)
-    layers = []
+    layers, formed = [], []
     for owner, g in zip(owners, grads, strict=True):
         a = seen[owner][0][0].detach()
         g = torch.zeros_like(seen[owner][0][1]) if g is None else g
+        module = modules[owner]
+        if isinstance(module, nn.Conv2d):  # per-user gradients, clipped as rows
+            user_grads = conv_user_gradients(module, a, g, n).double()
+            layer_sq = user_grads.pow(2).sum(1)
+            sq += layer_sq
+            slack += user_grads.shape[1] * layer_sq
+            formed.append((owner, user_grads))
+            continue
         a64, g64 = a.reshape(n, r, -1).double(), g.reshape(n, r, -1).double()
-        layer_sq, layer_slack = layer_norm_terms(
-            a64, g64, spec.module.get_submodule(owner).bias is not None)
+        layer_sq, layer_slack = layer_norm_terms(a64, g64, module.bias is not None)
         sq += layer_sq
         slack += layer_slack
         layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
     norms = lr * bounded_norms(sq, slack)
     factors = factors_from_norms(norms.cpu().numpy(), clip)
-    weights = torch.from_numpy(-lr * factors).to(x.device).repeat_interleave(r)[:, None]
+    user_weights = torch.from_numpy(-lr * factors).to(x.device)
+    weights = user_weights.repeat_interleave(r)[:, None]
     names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
     for owner, a64, g64 in layers:
@@ -143,5 +196,11 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         total[f"{owner}.weight"] = scaled.T @ a64
         if f"{owner}.bias" in names:
             total[f"{owner}.bias"] = scaled.sum(0)
+    for owner, user_grads in formed:
+        summed = user_weights @ user_grads  # weight entries, then bias
+        size = modules[owner].weight.numel()
+        total[f"{owner}.weight"] = summed[:size]
+        if f"{owner}.bias" in names:
+            total[f"{owner}.bias"] = summed[size:]
     flat = torch.cat([total[name].reshape(-1) for name in names])
     return flat.cpu().numpy(), int(np.count_nonzero(factors < 1.0))
