@@ -16,11 +16,20 @@ formed; the cnn's conv layers' per-user gradients from one grouped convolution);
 ``vmap(grad)`` per-user updates and their clipped sum.
 
     python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]
+        [--allocator both|default|sweep]
+
+glibc's allocator settings move the per-user loop (its many small allocations) more than the
+vectorized path, so by default the table is printed twice: with glibc's defaults and with the
+sweep workers' malloc settings (``fedpriv.sweep.MALLOC_ENV``), each in a fresh process (glibc
+reads them at start-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -31,6 +40,7 @@ from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
 from fedpriv.algorithms.deep.problem import problem_of, user_block
 from fedpriv.config import RunConfig
 from fedpriv.registry import get_algorithm
+from fedpriv.sweep import MALLOC_ENV
 
 
 def loop_round(cfg, problem, model, block, first, second, trains):
@@ -62,7 +72,18 @@ def main() -> None:
     parser.add_argument("--loop-users", type=int, default=40, help="users timed (loop)")
     parser.add_argument("--body-steps", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings")
+    parser.add_argument("--allocator", choices=("both", "default", "sweep"), default="both",
+                        help="glibc malloc settings: its defaults, the sweep workers' "
+                             "(MALLOC_ENV), or both in turn (each in a fresh process)")
     args = parser.parse_args()
+    if args.allocator == "both":
+        argv = [part for key, value in vars(args).items() if key != "allocator"
+                for part in (f"--{key.replace('_', '-')}", str(value))]
+        for allocator in ("default", "sweep"):
+            subprocess.run([sys.executable, __file__, *argv, "--allocator", allocator],
+                           check=True, env=_allocator_env(allocator))
+        return
+    print(f"glibc malloc: {args.allocator}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"dataset {args.dataset}, N = {args.num_users}, model {args.model}")
@@ -100,6 +121,11 @@ def main() -> None:
                                         else problem.spec.size,)
         rates = [args.users / best[0], args.loop_users / best[1]]
         print(f"{name:<22}{size:>6}{rates[0]:>20.0f}{rates[1]:>14.0f}{rates[0] / rates[1]:>7.1f}x")
+
+
+def _allocator_env(allocator: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
+    return {**env, **MALLOC_ENV} if allocator == "sweep" else env
 
 
 if __name__ == "__main__":
