@@ -110,9 +110,12 @@ def layer_norm_terms(a64: torch.Tensor, g64: torch.Tensor,
     with a margin)."""
     r = a64.shape[1]
     gram_g = torch.bmm(g64, g64.transpose(1, 2))  # (n, r, r)
-    sq = (gram_g * torch.bmm(a64, a64.transpose(1, 2))).sum((1, 2))
-    g_norms = torch.linalg.vector_norm(g64, dim=2)  # (n, r)
-    rho = (g_norms * torch.linalg.vector_norm(a64, dim=2)).sum(1)
+    gram_a = torch.bmm(a64, a64.transpose(1, 2))
+    sq = (gram_g * gram_a).sum((1, 2))
+    # the rows' norms from the Grams' diagonals (within d u of the exact ones: the margin of
+    # ``bounded_norms`` covers it), not another pass over the rows
+    g_norms = gram_g.diagonal(dim1=1, dim2=2).clamp_min(0.0).sqrt()  # (n, r)
+    rho = (g_norms * gram_a.diagonal(dim1=1, dim2=2).clamp_min(0.0).sqrt()).sum(1)
     slack = rho * rho * (a64.shape[2] + g64.shape[2] + r * r)
     if bias:
         sq = sq + gram_g.sum((1, 2))
@@ -192,7 +195,7 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
     names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
     for owner, a64, g64 in layers:
-        scaled = g64 * weights  # (n r, out): each row weighted by its user's factor
+        scaled = g64.mul_(weights)  # (n r, out): each row weighted by its user's factor
         total[f"{owner}.weight"] = scaled.T @ a64
         if f"{owner}.bias" in names:
             total[f"{owner}.bias"] = scaled.sum(0)
