@@ -161,10 +161,11 @@ def clipped_mean_alignment(updates: torch.Tensor) -> float:
     equal norm in orthogonal directions. Against the noise of a release of that mean (norm
     about z C sqrt(P) / n) it is the round's signal-to-noise ratio
     (``benchmarks/bench_update_alignment.py``)."""
-    norms = torch.linalg.vector_norm(updates.double(), dim=1)
+    rows = updates.double()
+    norms = torch.linalg.vector_norm(rows, dim=1)
     clip = norms.median()
     factors = torch.clamp(clip / norms.clamp_min(torch.finfo(torch.float64).tiny), max=1.0)
-    return float(torch.linalg.vector_norm((updates.double() * factors[:, None]).mean(0)) / clip)
+    return float(torch.linalg.vector_norm((rows * factors[:, None]).mean(0)) / clip)
 
 
 def accuracy_and_loss(logits: torch.Tensor, y: torch.Tensor,

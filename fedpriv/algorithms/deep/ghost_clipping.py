@@ -22,9 +22,9 @@ would run over every output position of every row, ``(r L)^2`` entries a user, w
 weights are few (the built-in cnn: 160 and 4,640). So its per-user gradient is formed
 directly (``G_i = sum_{r, l} g_{r,l} p_{r,l}^T`` over the input patches ``p``, computed as
 the weight gradient of one grouped convolution with the users as groups), and clipped and
-summed like
-``deep_math.clipped_sum`` rows: float32 gradients, their norms and the sum in float64. The
-dense layers after it keep the Gram path, so no user's (users x 200k) dense gradient is formed.
+summed like ``deep_math.clipped_sum`` rows: float32 gradients, their norms and the sum in
+float64. The dense layers after it keep the Gram path, so no user's (users x 200k) dense
+gradient is formed.
 
 Privacy-relevant: the norms are computed in float64 from the float32 activations and output
 gradients, plus a rounding slack so that cancellation in the Gram sum can never make a norm
