@@ -10,12 +10,14 @@ import torch
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from fedpriv.algorithms.base import Part, Step
 from fedpriv.algorithms.deep import deep_math as dm
-from fedpriv.algorithms.deep.deep_algorithm import adapted_clip
+from fedpriv.algorithms.deep.deep_algorithm import adapted_clip, disjoint_batches
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum
 from fedpriv.algorithms.deep.problem import problem_of, user_block
 from fedpriv.audit import run_audit
 from fedpriv.params import ConfigError
+from fedpriv.registry import get_algorithm
 from tests.test_deep import config, run
 
 
@@ -104,6 +106,31 @@ def test_ghost_norms_bound_the_exact_norm_under_heavy_cancellation():
             below += Fraction(float(sq[i])) < exact
             assert Fraction(float(bounded[i])) ** 2 >= exact, (i, bias)
         assert below > n // 10  # the slack is what keeps these users from being under-clipped
+
+
+@pytest.mark.parametrize("algorithm", ["deep-private-fedrep", "deep-dp-fedavg"])
+def test_a_cnn_round_in_the_nodes_chunks_equals_clipping_each_users_update(algorithm):
+    """The cnn's round as a node computes it (ghost clipping, in the several calls that
+    ``round_chunk`` gives a small ``chunk-mb``) against every user's update from the per-user
+    path, half of them clipped, summed."""
+    cfg = config(algorithm, model="cnn", chunk_mb=0.05)
+    cls, problem = get_algorithm(algorithm), problem_of(cfg)
+    ids = np.arange(12)
+    assert cls.round_chunk(cfg, problem) < len(ids) // 2  # at least three calls
+    spec, b = problem.spec, problem.batch_size
+    model = torch.from_numpy(spec.initial(0))
+    block = user_block(problem, ids)
+    first, second = disjoint_batches(cfg.seed, 1, ids, block.counts, block.y.shape[1], b)
+    updates = cls.local_work(cfg, problem, model, block, first, second)  # vmap, per user
+    norms = torch.linalg.vector_norm(updates, dim=1).sort().values
+    clip = float(norms[5:7].mean())  # between two users' norms: half of them clipped
+    expected, clipped = dm.clipped_sum(updates, clip)
+    step = Step("round", 1, "round", (Part("update", expected.shape, clip),))
+    got = cls.user_step(cfg, step, {"model": model.numpy()}, ids)
+    assert got.num_users == 12 and got.num_clipped == clipped == 6
+    assert np.abs(expected).max() > 1e-4
+    assert np.allclose(got.totals["update"], expected, rtol=1e-5,
+                       atol=1e-7 * np.abs(expected).max())
 
 
 def same_padded_conv(shape, classes):
