@@ -81,7 +81,7 @@ def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float
 GHOST_ROWS = 3072
 # and at most this many floats of the rows' inputs and activations per call (64 MiB float32):
 # memory-bound bodies run faster in smaller calls. It leaves the MLP at GHOST_ROWS (3,072 x
-# 2,346 floats) and gives the built-in cnn (44,954 floats a row) 13 users a call (Fashion-MNIST,
+# 2,346 floats) and gives the built-in cnn (44,954 floats a row) 14 users a call (Fashion-MNIST,
 # 240 users in calls of 4 / 8 / 16 / 30 / 60 users: DP-FedAvg 256 / 267 / 216 / 197 / 155
 # users/s, Private FedRep 212 / 273 / 303 / 323 / 259)
 GHOST_FLOATS = 2**24
@@ -232,8 +232,7 @@ class DeepAlgorithm(Algorithm):
         size = chunk_users(problem, 2 * b, held, config.chunk_mb)
         if not ghost:
             return size
-        per_row = int(np.prod(spec.input_shape)) + spec.activations
-        rows = min(GHOST_ROWS, GHOST_FLOATS // per_row)
+        rows = min(GHOST_ROWS, GHOST_FLOATS // spec.row_floats)
         return min(size, max(1, rows // (2 * b)))
 
     @classmethod

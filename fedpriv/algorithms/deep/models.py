@@ -84,6 +84,11 @@ class ModelSpec:
         return tuple(int(np.prod(s)) for s in self.shapes)
 
     @property
+    def row_floats(self) -> int:
+        """Floats of one row's input and every layer's output (memory estimates)."""
+        return int(np.prod(self.input_shape)) + self.activations
+
+    @property
     def body_size(self) -> int:
         return sum(self.sizes[:self.num_body])
 

@@ -143,7 +143,5 @@ def chunk_users(problem: DeepProblem, rows_per_user: int, per_user_params: int,
     rows through the network (inputs and every layer's output, kept for the backward pass,
     and their gradients) plus ``per_user_params`` floats of its own parameters, gradients and
     update (three copies)."""
-    spec = problem.spec
-    per_row = int(np.prod(spec.input_shape)) + spec.activations
-    per_user = 4 * (2 * rows_per_user * per_row + 3 * per_user_params)
+    per_user = 4 * (2 * rows_per_user * problem.spec.row_floats + 3 * per_user_params)
     return max(1, int(budget_mb * 2**20 // max(per_user, 1)))
