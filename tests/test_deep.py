@@ -216,9 +216,14 @@ def test_head_fits_in_either_space_equal_a_per_user_sgd_loop(rows, width, start)
     assert torch.allclose(fast, torch.stack(slow), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("algorithm", [a for a in DEEP if a != "deep-local-only"])
-def test_each_algorithms_round_equals_a_per_user_loop(algorithm):
-    cfg = config(algorithm, body_steps=2)
+@pytest.mark.parametrize(("algorithm", "cross_fit"),
+                         [(a, 0) for a in DEEP if a != "deep-local-only"]
+                         + [("deep-private-fedrep", 2), ("deep-fedrep", 4)])  # 4: 16 of 18 rows
+def test_each_algorithms_round_equals_a_per_user_loop(algorithm, cross_fit):
+    """The vectorized round against a per-user loop; cross-fit = k: each user's k heads fitted
+    one at a time on the other folds' rows, its body trained through model copies that share
+    the body, copy j on fold j."""
+    cfg = config(algorithm, body_steps=2, cross_fit=cross_fit)
     cls, problem = get_algorithm(algorithm), problem_of(config(algorithm))
     spec, b = problem.spec, problem.batch_size
     model = torch.from_numpy(spec.initial(0))
@@ -234,9 +239,29 @@ def test_each_algorithms_round_equals_a_per_user_loop(algorithm):
     full = np.full(len(ids), b)
     if cls.trains == "body":
         body = model[:spec.body_size]
-        feats = dm.features(spec, body, x1.reshape(-1, *spec.input_shape)).reshape(len(ids), b, -1)
-        heads = dm.loop_fit_heads(feats, y1, full, 10, cfg.head_steps, cfg.head_lr)
-        slow = dm.loop_local_updates(spec, body, heads, x2, y2, full, 2, cfg.local_lr)
+
+        def head_fit(xs, ys):
+            feats = dm.features(spec, body, xs.reshape(-1, *spec.input_shape))
+            return dm.loop_fit_heads(feats.reshape(len(ids), ys.shape[1], -1), ys,
+                                     np.full(len(ids), ys.shape[1]), 10, cfg.head_steps,
+                                     cfg.head_lr)
+
+        if cross_fit:
+            x, y = torch.cat([x1, x2], 1), torch.cat([y1, y2], 1)
+            g = 2 * b // cross_fit
+            fold = [slice(j * g, (j + 1) * g) for j in range(cross_fit)]
+            heads = torch.stack([
+                head_fit(torch.cat([x[:, f] for f in fold if f != fj], 1),
+                         torch.cat([y[:, f] for f in fold if f != fj], 1)) for fj in fold], 1)
+            used = cross_fit * g
+            slow = dm.loop_local_updates(spec, body, heads, x[:, :used], y[:, :used],
+                                         np.full(len(ids), used), 2, cfg.local_lr)
+            plain = dm.loop_local_updates(spec, body, heads[:, 0], x[:, :used], y[:, :used],
+                                          np.full(len(ids), used), 2, cfg.local_lr)
+            assert not torch.allclose(slow, plain, atol=1e-4)  # each fold's own head matters
+        else:
+            slow = dm.loop_local_updates(spec, body, head_fit(x1, y1), x2, y2, full, 2,
+                                         cfg.local_lr)
     else:
         slow = dm.loop_local_updates(spec, model, None, torch.cat([x1, x2], 1),
                                      torch.cat([y1, y2], 1), 2 * full, 2, cfg.local_lr)
@@ -351,6 +376,10 @@ def test_bad_models_and_too_small_users_fail_before_the_run(tmp_path, monkeypatc
         config(local_batch_size="12")
     with pytest.raises(ConfigError, match="hidden-sizes"):
         config(hidden_sizes="32,x")
+    with pytest.raises(ConfigError, match="cross-fit: 19 folds .*at most 18"):
+        config(cross_fit=19)  # two batches of 9 rows a user
+    with pytest.raises(ConfigError, match="cross-fit.*0 or an integer >= 2"):
+        config(cross_fit=1)
     results = run(tmp_path, "deep-fedrep", model="my_models:good")
     assert results["metrics"]["accuracy"] > 0.2
 

@@ -108,12 +108,18 @@ def test_ghost_norms_bound_the_exact_norm_under_heavy_cancellation():
         assert below > n // 10  # the slack is what keeps these users from being under-clipped
 
 
-@pytest.mark.parametrize("algorithm", ["deep-private-fedrep", "deep-dp-fedavg"])
-def test_a_cnn_round_in_the_nodes_chunks_equals_clipping_each_users_update(algorithm):
-    """The cnn's round as a node computes it (ghost clipping, in the several calls that
+@pytest.mark.parametrize(("algorithm", "model", "cross_fit"),
+                         [("deep-private-fedrep", "cnn", 0), ("deep-dp-fedavg", "cnn", 0),
+                          ("deep-private-fedrep", "cnn", 2),
+                          ("deep-private-fedrep", "mlp", 3)])
+def test_a_round_in_the_nodes_chunks_equals_clipping_each_users_update(algorithm, model,
+                                                                       cross_fit):
+    """A round as a node computes it (ghost clipping, in the several calls that
     ``round_chunk`` gives a small ``chunk-mb``) against every user's update from the per-user
-    path, half of them clipped, summed."""
-    cfg = config(algorithm, model="cnn", chunk_mb=0.05)
+    path, half of them clipped, summed; cross-fit = k: k heads a user, head j on fold j of its
+    rows."""
+    cfg = config(algorithm, model=model, chunk_mb=0.05 if model == "cnn" else 0.002,
+                 cross_fit=cross_fit)
     cls, problem = get_algorithm(algorithm), problem_of(cfg)
     ids = np.arange(12)
     assert cls.round_chunk(cfg, problem) < len(ids) // 2  # at least three calls
@@ -129,8 +135,10 @@ def test_a_cnn_round_in_the_nodes_chunks_equals_clipping_each_users_update(algor
     got = cls.user_step(cfg, step, {"model": model.numpy()}, ids)
     assert got.num_users == 12 and got.num_clipped == clipped == 6
     assert np.abs(expected).max() > 1e-4
-    assert np.allclose(got.totals["update"], expected, rtol=1e-5,
-                       atol=1e-7 * np.abs(expected).max())
+    # float32 convolutions: 1e-4 of an entry (kernels differ between CPUs: 2.5e-8 on an entry
+    # of 2.9e-4 on one machine), where a 0.1% error fails it
+    assert np.allclose(got.totals["update"], expected, rtol=1e-4,
+                       atol=1e-6 * np.abs(expected).max())
 
 
 def same_padded_conv(shape, classes):

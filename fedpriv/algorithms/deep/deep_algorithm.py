@@ -31,6 +31,7 @@ from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
 from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
 from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, problem_of, user_block
+from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.randomness import user_uniforms
 
@@ -102,6 +103,40 @@ def _take(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     return t[rows, torch.from_numpy(index).to(t.device)]
 
 
+def folds(first: np.ndarray, second: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """k-fold cross-fitting's rows: both batches' 2b positions a user in k folds of
+    ``2b // k`` (the remainder unused), (n, k g) fold by fold, and for each fold j the
+    positions of the other k - 1 (n, k, (k - 1) g): head j's training rows."""
+    both = np.concatenate([first, second], 1)
+    g = both.shape[1] // k
+    scored = both[:, :k * g].reshape(len(both), k, g)
+    others = np.array([[i for i in range(k) if i != j] for j in range(k)])  # (k, k - 1)
+    fitted = scored[:, others].reshape(len(both), k, (k - 1) * g)
+    return scored.reshape(len(both), k * g), fitted
+
+
+def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
+                 second: np.ndarray, config: Any) -> tuple:
+    """FedRep's round with k-fold cross-fitting (``cross-fit = k``): per user k heads, head j
+    fitted with the body frozen on every fold but j, and the body's rows fold by fold, so
+    that ``local_updates`` scores fold j with head j. (heads (n, k, H), x, y, mask)."""
+    k = config.cross_fit
+    scored, fitted = folds(first, second, k)
+    n = len(scored)
+    x, y = _take(block.x, scored), _take(block.y, scored)
+    g = scored.shape[1] // k
+    feats = dm.features(spec, body, x.reshape(-1, *spec.input_shape)).reshape(n, k, g, -1)
+    others = torch.tensor([[i for i in range(k) if i != j] for j in range(k)],
+                          device=feats.device)
+    train_feats = feats[:, others].reshape(n * k, (k - 1) * g, -1)
+    train_y = _take(block.y, fitted.reshape(n, -1)).reshape(n * k, -1)
+    ones = torch.ones(train_y.shape, dtype=torch.float32, device=feats.device)
+    heads = dm.fit_heads(train_feats, train_y, ones, spec.num_classes, config.head_steps,
+                         config.head_lr, bias=spec.head_bias)
+    return heads.reshape(n, k, -1), x, y, torch.ones(y.shape, dtype=torch.float32,
+                                                     device=feats.device)
+
+
 class DeepAlgorithm(Algorithm):
     """T rounds of clipped, noised local updates of a torch model, then personal fits."""
 
@@ -114,7 +149,11 @@ class DeepAlgorithm(Algorithm):
         super().validate(config)
         # the data, the partition and the model, or a ConfigError; of a csv/parquet table the
         # server reads the id, split and label columns only
-        problem_of(config, features=False)
+        problem = problem_of(config, features=False)
+        if config.cross_fit > 2 * problem.batch_size:
+            raise ConfigError(f"cross-fit: {config.cross_fit} folds of a user's two batches "
+                              f"of {problem.batch_size} rows leave a fold empty (at most "
+                              f"{2 * problem.batch_size})")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -227,8 +266,10 @@ class DeepAlgorithm(Algorithm):
         spec, b = problem.spec, problem.batch_size
         own = spec.body_size if cls.trains == "body" else spec.size
         ghost = config.body_steps == 1 and ghost_layers(spec, cls.trains == "body")
-        # per-user parameters held at once: none with ghost clipping (a head each for FedRep)
-        held = spec.size - spec.body_size if ghost else own * min(config.body_steps, 2)
+        # per-user parameters held at once: none with ghost clipping (a head each for FedRep,
+        # two with cross-fitting)
+        heads = max(1, config.cross_fit) if cls.trains == "body" else 1
+        held = heads * (spec.size - spec.body_size) if ghost else own * min(config.body_steps, 2)
         size = chunk_users(problem, 2 * b, held, config.chunk_mb)
         if not ghost:
             return size
@@ -247,9 +288,11 @@ class DeepAlgorithm(Algorithm):
             y = _take(block.y, both)
             return (model, None, _take(block.x, both), y,
                     torch.ones(y.shape, dtype=torch.float32, device=model.device))
+        body = model[:spec.body_size]
+        if config.cross_fit:
+            return body, *cross_fitted(spec, body, block, first, second, config)
         x1, y1 = _take(block.x, first), _take(block.y, first)
         ones = torch.ones(y1.shape, dtype=torch.float32, device=model.device)
-        body = model[:spec.body_size]
         n, b = y1.shape
         feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
         heads = dm.fit_heads(feats.reshape(n, b, -1), y1, ones, spec.num_classes,

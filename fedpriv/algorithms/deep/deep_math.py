@@ -110,8 +110,17 @@ def fit_heads(feats: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_clas
 
 
 def _user_loss(spec: ModelSpec, params: dict, x: torch.Tensor, y: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-    logits = functional_call(spec.module, params, (x,))
+               mask: torch.Tensor, head: dict | None = None, groups: int = 0) -> torch.Tensor:
+    """One user's mean cross-entropy over its valid rows. ``groups = k > 0``: the head's
+    tensors have a leading axis of k and head j scores the j-th of k equal groups of the rows
+    (cross-fitting); else ``params`` holds the whole model."""
+    if groups:
+        size = x.shape[0] // groups
+        logits = torch.cat([
+            functional_call(spec.module, {**params, **{n: t[j] for n, t in head.items()}},
+                            (x[j * size:(j + 1) * size],)) for j in range(groups)])
+    else:
+        logits = functional_call(spec.module, {**params, **(head or {})}, (x,))
     ce = F.cross_entropy(logits, y, reduction="none")
     return (ce * mask).sum() / mask.sum().clamp_min(1.0)
 
@@ -122,13 +131,16 @@ def local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | No
     """Each user's update after ``steps`` of gradient descent from the shared ``start``.
 
     ``heads`` (n, H) given: ``start`` is the body (P_body,), each user's head is frozen at its
-    row and the update is the body's (n, P_body). ``heads = None``: ``start`` is the whole model
-    (P,) and every parameter moves (n, P). x (n, r, *input), y and mask (n, r)."""
+    row and the update is the body's (n, P_body); heads (n, k, H): k frozen heads a user, head j
+    on the j-th of k equal groups of its rows (cross-fitting). ``heads = None``: ``start`` is
+    the whole model (P,) and every parameter moves (n, P). x (n, r, *input), y and mask
+    (n, r)."""
     body_only = heads is not None
     n = x.shape[0]
+    groups = heads.shape[1] if body_only and heads.dim() == 3 else 0
 
     def loss(own: dict, head: dict, xi, yi, mi):
-        return _user_loss(spec, {**own, **head}, xi, yi, mi)
+        return _user_loss(spec, own, xi, yi, mi, head, groups)
 
     head_params = spec.unflatten_head(heads) if body_only else {}
     shared = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))  # step 1: every user at ``start``
@@ -181,7 +193,13 @@ def accuracy_and_loss(logits: torch.Tensor, y: torch.Tensor,
 
 def head_logits(feats: torch.Tensor, heads: torch.Tensor, num_classes: int,
                 bias: bool = True) -> torch.Tensor:
-    """Logits of per-user heads (n, H) on per-user features (n, r, h)."""
+    """Logits of per-user heads (n, H) on per-user features (n, r, h). Heads (n, k, H): k
+    heads a user, head j on the j-th of k equal groups of its rows (cross-fitting)."""
+    if heads.dim() == 3:
+        n, k, size = heads.shape
+        r, h = feats.shape[1:]
+        return head_logits(feats.reshape(n * k, r // k, h), heads.reshape(n * k, size),
+                           num_classes, bias).reshape(n, r, -1)
     n, _, h = feats.shape
     w = heads[:, :num_classes * h].reshape(n, num_classes, h)
     logits = torch.einsum("nrh,nch->nrc", feats, w)
@@ -227,17 +245,33 @@ def loop_local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor
                        x: torch.Tensor, y: torch.Tensor, counts: np.ndarray, steps: int,
                        lr: float) -> torch.Tensor:
     """``local_updates`` one user at a time: a model copy, ``torch.optim.SGD`` on its body
-    (or all of it), ``steps`` steps on the user's rows."""
+    (or all of it), ``steps`` steps on the user's rows. Heads (n, k, H): a copy of the model per
+    head, sharing the body's parameters, head j on the j-th of k equal groups of the rows."""
     out = []
     for i, count in enumerate(counts):
-        full = start if heads is None else torch.cat([start, heads[i]])
+        user_heads = [None] if heads is None else (heads[i] if heads.dim() == 3
+                                                   else heads[i:i + 1])
+        full = start if heads is None else torch.cat([start, user_heads[0]])
         module = _module_with(spec, full)
         names = spec.names if heads is None else spec.names[:spec.num_body]
         params = [module.get_parameter(n) for n in names]
+        copies = [module]
+        for head in user_heads[1:]:  # the same body parameters, another frozen head
+            other = copy.deepcopy(module)
+            for name in names:
+                parent, _, leaf = name.rpartition(".")
+                setattr(other.get_submodule(parent), leaf, module.get_parameter(name))
+            with torch.no_grad():
+                for name, value in spec.unflatten_head(head).items():
+                    other.get_parameter(name).copy_(value)
+            copies.append(other)
+        size = count // len(copies)
         opt = torch.optim.SGD(params, lr=lr)
         for _ in range(steps):
             opt.zero_grad()
-            F.cross_entropy(module(x[i, :count]), y[i, :count]).backward()
+            logits = torch.cat([m(x[i, j * size:(j + 1) * size])
+                                for j, m in enumerate(copies)])
+            F.cross_entropy(logits, y[i, :size * len(copies)]).backward()
             opt.step()
         after = torch.cat([p.detach().reshape(-1) for p in params])
         out.append(after - start)

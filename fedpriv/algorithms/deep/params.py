@@ -108,6 +108,12 @@ LOCAL = ParamGroup("deep local work", (
     Param("head-lr", float, 1.0, "step size of the head fits in units of 1/L (L bounds the "
           "smoothness of the user's loss in its head, from its own features): <= 1 never "
           "diverges", positive, "a number > 0"),
+    Param("cross-fit", int, 0, "FedRep's rounds: 0 = the paper's split (the head fitted on the "
+          "first batch, the body's gradient on the second); k >= 2 = k-fold cross-fitting: "
+          "both batches' 2b rows in k folds, head j fitted on the other k - 1 folds and the "
+          "body's gradient on fold j through head j (every row reaches the body, no head "
+          "scores a row it was fitted on; k head fits a round). Methods without per-round "
+          "head fits ignore it", lambda k: k == 0 or k >= 2, "0 or an integer >= 2"),
     Param("body-steps", int, 1, "local steps of a user's body (or model) update per round on "
           "its second batch", positive, "an integer >= 1"),
     Param("local-lr", float, 0.1, "step size of the users' local body (or model) steps",

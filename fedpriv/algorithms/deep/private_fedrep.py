@@ -8,6 +8,16 @@ computed on, as in the paper's analysis. The update is clipped to ``clip-norm`` 
 body parameter); the server releases the noisy mean over the population and steps with
 momentum. At the end each user fits its head on all its training rows with the released body.
 
+``cross-fit = k >= 2`` (k-fold cross-fitting, as in double machine learning): the 2b rows of
+both batches in k folds; each user fits k heads a round, head j on every fold but j, and its
+body update is the gradient on each fold j through head j. Every row of both batches reaches
+the body and still no head scores a row it was fitted on. A head fitted to ~15 rows nearly
+interpolates them, so the gradient through it on fresh rows is the user's generalization
+error: it points the same way across users more often (Fashion-MNIST, N = 2,000, the initial
+MLP, k = 2: alignment of the clipped updates 0.144 -> 0.208), and Private FedRep gains about a
+point at epsilon = 1 with k = 2 (README); k = 3 and 5 gave less. The
+update is still one user's, clipped once: the privacy argument below does not change.
+
 Privacy: one Gaussian release per round of sensitivity ``clip-norm / population``
 (``fedpriv.algorithms.deep.deep_algorithm``), T rounds in one calibrated plan. Heads never
 leave the users.
