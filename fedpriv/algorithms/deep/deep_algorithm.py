@@ -105,14 +105,12 @@ def _take(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
 
 def folds(first: np.ndarray, second: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """k-fold cross-fitting's rows: both batches' 2b positions a user in k folds of
-    ``2b // k`` (the remainder unused), (n, k g) fold by fold, and for each fold j the
-    positions of the other k - 1 (n, k, (k - 1) g): head j's training rows."""
+    ``2b // k`` (the remainder unused), (n, k g) fold by fold, and ``others`` (k, k - 1): the
+    folds whose rows fit head j."""
     both = np.concatenate([first, second], 1)
     g = both.shape[1] // k
-    scored = both[:, :k * g].reshape(len(both), k, g)
-    others = np.array([[i for i in range(k) if i != j] for j in range(k)])  # (k, k - 1)
-    fitted = scored[:, others].reshape(len(both), k, (k - 1) * g)
-    return scored.reshape(len(both), k * g), fitted
+    others = np.array([[i for i in range(k) if i != j] for j in range(k)], dtype=np.int64)
+    return both[:, :k * g], others
 
 
 def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
@@ -121,20 +119,17 @@ def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
     fitted with the body frozen on every fold but j, and the body's rows fold by fold, so
     that ``local_updates`` scores fold j with head j. (heads (n, k, H), x, y, mask)."""
     k = config.cross_fit
-    scored, fitted = folds(first, second, k)
-    n = len(scored)
+    scored, others = folds(first, second, k)
+    (n, rows), g = scored.shape, scored.shape[1] // k
     x, y = _take(block.x, scored), _take(block.y, scored)
-    g = scored.shape[1] // k
-    feats = dm.features(spec, body, x.reshape(-1, *spec.input_shape)).reshape(n, k, g, -1)
-    others = torch.tensor([[i for i in range(k) if i != j] for j in range(k)],
-                          device=feats.device)
-    train_feats = feats[:, others].reshape(n * k, (k - 1) * g, -1)
-    train_y = _take(block.y, fitted.reshape(n, -1)).reshape(n * k, -1)
-    ones = torch.ones(train_y.shape, dtype=torch.float32, device=feats.device)
-    heads = dm.fit_heads(train_feats, train_y, ones, spec.num_classes, config.head_steps,
-                         config.head_lr, bias=spec.head_bias)
-    return heads.reshape(n, k, -1), x, y, torch.ones(y.shape, dtype=torch.float32,
-                                                     device=feats.device)
+    feats = dm.features(spec, body, x.reshape(n * rows, *spec.input_shape)).reshape(n, k, g, -1)
+    fits = torch.from_numpy(others).to(feats.device)
+    train_feats = feats[:, fits].reshape(n * k, (k - 1) * g, -1)
+    train_y = y.reshape(n, k, g)[:, fits].reshape(n * k, (k - 1) * g)
+    heads = dm.fit_heads(train_feats, train_y, torch.ones_like(train_y, dtype=torch.float32),
+                         spec.num_classes, config.head_steps, config.head_lr,
+                         bias=spec.head_bias)
+    return heads.reshape(n, k, -1), x, y, torch.ones_like(y, dtype=torch.float32)
 
 
 class DeepAlgorithm(Algorithm):
