@@ -147,12 +147,14 @@ def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flowe
 
 def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_env):
     """Deep Private FedRep on real data (digits): the Flower simulation and the in-process
-    engine give the same metrics, release and epsilon for the same seed."""
+    engine give the same metrics, release and epsilon for the same seed (with the heads
+    cross-fitted: the key reaches the nodes through Flower's run config)."""
     from fedpriv.config import RunConfig
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="deep-private-fedrep", num_users=60, hidden_sizes="32",
-                    rounds=2, epsilon=8.0, delta=1e-5, users_per_node=20, users_per_round=30)
+                    rounds=2, epsilon=8.0, delta=1e-5, users_per_node=20, users_per_round=30,
+                    cross_fit=2)
     results, _ = run_cli(flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     local = run_in_process(RunConfig.from_mapping(
