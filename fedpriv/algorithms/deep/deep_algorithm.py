@@ -262,7 +262,7 @@ class DeepAlgorithm(Algorithm):
         own = spec.body_size if cls.trains == "body" else spec.size
         ghost = config.body_steps == 1 and ghost_layers(spec, cls.trains == "body")
         # per-user parameters held at once: none with ghost clipping (a head each for FedRep,
-        # two with cross-fitting)
+        # k with cross-fit = k)
         heads = max(1, config.cross_fit) if cls.trains == "body" else 1
         held = heads * (spec.size - spec.body_size) if ghost else own * min(config.body_steps, 2)
         size = chunk_users(problem, 2 * b, held, config.chunk_mb)
