@@ -125,29 +125,33 @@ class FlowerSession:
             return self  # someone else's SuperLink: use it, never stop it
         self._stop_superlink = True
         self._tmp = tempfile.mkdtemp(prefix="fpray", dir="/tmp")  # Ray's socket paths: short
-        port = _free_port()
-        log = open(os.path.join(self._tmp, "head.log"), "w")  # noqa: SIM115 -- kept open
-        self._head = subprocess.Popen(
-            ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-             f"--port={port}", f"--num-cpus={self.num_cpus}", "--include-dashboard=false",
-             "--disable-usage-stats", f"--temp-dir={self._tmp}",
-             f"--ray-client-server-port={_free_port()}",
-             f"--dashboard-agent-listen-port={_free_port()}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=with_cache_share({**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
-                                 self.num_cpus))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            text = Path(self._tmp, "head.log").read_text(errors="replace")
-            if "Ray runtime started" in text:
-                self.ray_address = f"127.0.0.1:{port}"
-                return self
-            if self._head.poll() is not None:
+        log_path = Path(self._tmp, "head.log")
+        for _ in range(2):  # a head that exits at start-up (a port taken meanwhile) gets one retry
+            port = _free_port()
+            log = open(log_path, "w")  # noqa: SIM115 -- kept open
+            self._head = subprocess.Popen(
+                ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                 f"--port={port}", f"--num-cpus={self.num_cpus}", "--include-dashboard=false",
+                 "--disable-usage-stats", f"--temp-dir={self._tmp}",
+                 f"--ray-client-server-port={_free_port()}",
+                 f"--dashboard-agent-listen-port={_free_port()}"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=with_cache_share({**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+                                     self.num_cpus))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if "Ray runtime started" in log_path.read_text(errors="replace"):
+                    self.ray_address = f"127.0.0.1:{port}"
+                    return self
+                if self._head.poll() is not None:
+                    break
+                time.sleep(0.5)
+            if self._head.poll() is None:  # still starting after the deadline: no retry
                 break
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError("the sweep's Ray head did not start; see "
-                           f"{self._tmp}/head.log")
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-20:]
+        self.__exit__(None, None, None)  # removes the log with the head's folder: quote it
+        raise RuntimeError("the sweep's Ray head did not start; the end of its log:\n"
+                           + "\n".join(tail))
 
     def __exit__(self, *exc: object) -> None:
         if self._stop_superlink:

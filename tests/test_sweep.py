@@ -1,6 +1,8 @@
 """``fedpriv sweep``: validation before running, the table, the figure, reuse."""
 
 import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -158,6 +160,29 @@ def _ray_sessions(root) -> list:
     from pathlib import Path
 
     return list(Path(root).rglob("session_2*"))
+
+
+def test_a_ray_head_that_exits_at_start_up_is_retried_once_then_its_log_is_quoted(
+        monkeypatch):
+    """The error names why (the head's log is removed with its folder, so the error quotes
+    it), after one retry with fresh ports."""
+    from fedpriv import launcher
+
+    starts, real_popen = [], subprocess.Popen
+
+    def failing_head(args, **kwargs):
+        starts.append(args)
+        return real_popen([sys.executable, "-c", "print('gcs: port 6379 is already in use')"],
+                          stdout=kwargs["stdout"], stderr=kwargs["stderr"])
+
+    monkeypatch.setattr(launcher, "_port_open", lambda port: False)  # no SuperLink running
+    monkeypatch.setattr(launcher, "stop_local_superlink", lambda port: None)
+    monkeypatch.setattr(launcher.subprocess, "Popen", failing_head)
+    session = launcher.FlowerSession(num_cpus=1)
+    with pytest.raises(RuntimeError, match="did not start(.|\n)*port 6379 is already in use"):
+        session.__enter__()
+    assert len(starts) == 2 and starts[0][:3] == ["ray", "start", "--head"]
+    assert session._head is None and session._tmp is None  # nothing left behind
 
 
 @pytest.mark.integration
