@@ -18,6 +18,13 @@ formed; the cnn's conv layers' per-user gradients from one grouped convolution);
     python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]
         [--allocator both|default|sweep]
 
+After the table, a ceiling for the whole-model algorithms: the same users' rows (both batches)
+as *one* float32 batch, one forward and one backward pass of the model to its batch-mean
+gradient, nothing computed per user. It is what non-private FedAvg's node does, and no path
+that clips each user can beat it (it does that pass and more: norms, the clipped sum in
+float64), so its ratio to the per-user loop bounds what any vectorization can reach on the
+machine.
+
 glibc's allocator settings move the per-user loop (its many small allocations) more than the
 vectorized path, so by default the table is printed twice: with glibc's defaults and with the
 sweep workers' malloc settings (``fedpriv.sweep.MALLOC_ENV``), each in a fresh process (glibc
@@ -34,6 +41,8 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.func import functional_call
 
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
@@ -63,6 +72,19 @@ def loop_round(cfg, problem, model, block, first, second, trains):
                                  torch.cat([y1, y2], 1), 2 * full, cfg.body_steps, cfg.local_lr)
 
 
+def batch_step(problem, model, block, first, second) -> torch.Tensor:
+    """The ceiling's work: the users' rows of both batches as one float32 batch, the gradient
+    of its mean loss (one forward, one backward pass; nothing per user)."""
+    rows = np.arange(len(block.user_ids))[:, None]
+    both = np.concatenate([first, second], 1)
+    x = block.x[rows, both].reshape(-1, *problem.spec.input_shape)
+    y = block.y[rows, both].reshape(-1)
+    with torch.enable_grad():
+        leaf = model.detach().clone().requires_grad_(True)
+        logits = functional_call(problem.spec.module, problem.spec.unflatten(leaf), (x,))
+        return torch.autograd.grad(F.cross_entropy(logits, y), leaf)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="fashion-mnist")
@@ -89,6 +111,7 @@ def main() -> None:
           f"dataset {args.dataset}, N = {args.num_users}, model {args.model}")
     print(f"{'algorithm':<22}{'chunk':>6}{'vectorized users/s':>20}{'loop users/s':>14}"
           f"{'ratio':>8}")
+    ceilings = []
     for name in ("deep-private-fedrep", "deep-dp-fedavg"):
         cfg = RunConfig.from_mapping({"algorithm": name, "dataset": args.dataset,
                                       "num-users": args.num_users, "model": args.model,
@@ -103,10 +126,19 @@ def main() -> None:
             first, second = disjoint_batches(0, 1, ids, block.counts, block.y.shape[1],
                                              problem.batch_size)
             work.append((block, first, second))
-        best = [float("inf"), float("inf")]
-        for _ in range(args.repeats):  # best of the repeats, the two paths interleaved
-            for path, (block, first, second) in enumerate(work):
+        best = [float("inf")] * 3
+        paths = [0, 1, 2] if cls.trains == "model" else [0, 1]
+        for _ in range(args.repeats):  # best of the repeats, the paths interleaved
+            for path in paths:
+                block, first, second = work[1 if path == 1 else 0]
                 t0 = time.perf_counter()
+                if path == 2:  # the ceiling: the vectorized users as one batch
+                    for lo in range(0, len(block.user_ids), size):
+                        part = slice(lo, lo + size)
+                        batch_step(problem, model, block.part(part), first[part],
+                                   second[part])
+                    best[2] = min(best[2], time.perf_counter() - t0)
+                    continue
                 if path == 0:
                     with torch.no_grad():  # as the nodes call it (it enables grad inside)
                         for lo in range(0, len(block.user_ids), size):
@@ -121,6 +153,13 @@ def main() -> None:
                                         else problem.spec.size,)
         rates = [args.users / best[0], args.loop_users / best[1]]
         print(f"{name:<22}{size:>6}{rates[0]:>20.0f}{rates[1]:>14.0f}{rates[0] / rates[1]:>7.1f}x")
+        if 2 in paths:
+            ceiling = args.users / best[2]
+            ceilings.append((name, ceiling, rates[1]))
+    for name, ceiling, loop in ceilings:
+        print(f"ceiling for {name}: its users' rows as one float32 batch, one forward and "
+              f"backward pass, nothing per user: {ceiling:.0f} users/s, "
+              f"{ceiling / loop:.1f}x its loop")
 
 
 def _allocator_env(allocator: str) -> dict[str, str]:

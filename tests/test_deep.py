@@ -291,6 +291,48 @@ def test_the_alignment_benchmark_runs_and_prints_each_algorithm():
         assert 0 < float(row[2]) <= 1 and float(row[3]) > 0  # alignment, z
 
 
+def test_the_vectorization_benchmark_prints_both_paths_and_the_ceiling():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_deep_vectorized.py", "--dataset", "digits",
+         "--num-users", "100", "--users", "20", "--loop-users", "4", "--repeats", "1",
+         "--allocator", "default"],
+        capture_output=True, text=True, timeout=300, check=True,
+        cwd=Path(__file__).resolve().parents[1]).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith("deep-")}
+    assert set(rows) == {"deep-private-fedrep", "deep-dp-fedavg"}
+    for row in rows.values():  # chunk, vectorized users/s, loop users/s, ratio
+        vectorized, loop = float(row[2]), float(row[3])
+        assert vectorized > 0 and loop > 0
+        ratio = float(row[4].rstrip("x"))  # of the unrounded rates, printed rounded
+        assert (vectorized - 0.5) / (loop + 0.5) - 0.05 <= ratio
+        assert ratio <= (vectorized + 0.5) / max(loop - 0.5, 1e-9) + 0.05
+    (ceiling,) = [line for line in out.splitlines() if line.startswith("ceiling for")]
+    assert "deep-dp-fedavg" in ceiling and "x its loop" in ceiling
+
+
+def test_the_benchmark_ceiling_is_the_mean_of_the_users_gradients():
+    """The ceiling times real work: its one-batch gradient is the mean of the per-user loop's
+    one-step gradients (every user has the same 2b rows)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_deep_vectorized.py"
+    module_spec = importlib.util.spec_from_file_location("bench_deep_vectorized", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    cfg = RunConfig.from_mapping({"algorithm": "deep-dp-fedavg", "dataset": "digits",
+                                  "num-users": 100}, strict=True)
+    problem = problem_of(cfg)
+    model = torch.from_numpy(problem.spec.initial(0))
+    ids = np.arange(6)
+    block = user_block(problem, ids)
+    first, second = disjoint_batches(0, 1, ids, block.counts, block.y.shape[1],
+                                     problem.batch_size)
+    grad = bench.batch_step(problem, model, block, first, second)
+    updates = bench.loop_round(cfg, problem, model, block, first, second, "model")
+    assert torch.allclose(grad, -updates.mean(0) / cfg.local_lr, rtol=1e-4, atol=1e-6)
+    assert grad.abs().sum() > 0
+
+
 def test_the_torch_clipped_sum_bounds_every_user_like_the_numpy_one():
     rng = np.random.default_rng(1)
     updates = rng.normal(size=(20, 300)) * rng.choice([1e-3, 1.0, 1e6], size=(20, 1))
