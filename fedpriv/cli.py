@@ -32,6 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedpriv.engine import run_in_process
     from fedpriv.outputs import output_lines, release_path, write_outputs
     from fedpriv.privacy.accounting import InfeasiblePlanError
+    from fedpriv.registry import get_algorithm
     from fedpriv.server import check_run, summary_lines
 
     try:
@@ -50,6 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         values.update({"results-path": str(out), "checkpoint-path": str(ckpt or "")})
         config = RunConfig.from_mapping(values, strict=True)
         check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
+        get_algorithm(config.algorithm).check_inputs(config)  # e.g. every cell of a data file
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
         print(f"fedpriv: invalid config: {err}", file=sys.stderr)
         return 2
@@ -57,7 +59,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if stale.exists():
             stale.unlink()  # never report a stale file as this run's result
     if args.engine == "inprocess":
-        results = run_in_process(config, checkpoint_path=ckpt)
+        from fedpriv.data.sources import DatasetError
+
+        try:
+            results = run_in_process(config, checkpoint_path=ckpt)
+        except (ConfigError, DatasetError) as err:  # found only once the users' data is read
+            print(f"fedpriv: the run stopped: {err}", file=sys.stderr)
+            if ckpt is not None and ckpt.exists():
+                print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)})",
+                      file=sys.stderr)
+            return 2
         report, release = write_outputs(results, out)
         if ckpt is not None:
             checkpoint.remove(ckpt)  # the results file is now the record of the run

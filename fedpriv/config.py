@@ -9,7 +9,8 @@ is touched, with a message naming the key and what is allowed.
 Unknown keys:
 
 * ``strict`` (the CLI, sweeps): a key the chosen algorithm does not declare is refused, naming
-  the algorithm and its keys.
+  the algorithm and its keys; so is a key only a node sets for itself (``data-part``, which the
+  ClientApp sets where a SuperNode's node config names its own data-file).
 * not strict (a Flower run-config, which carries the defaults of every built-in component from
   ``[tool.flwr.app.config]``): a key another component declares is ignored while it holds its
   default and refused when it is set (it would silently do nothing); a key nobody declares is
@@ -190,6 +191,11 @@ class RunConfig:
         if overlap:
             raise ConfigError(f"algorithm: {core['algorithm']} redeclares core key(s) {overlap}")
         _check_unknown(core["algorithm"], own, values, plugin, strict)
+        set_by_node = [k for k in NODE_KEYS if str({**values, **plugin}.get(k, "")).strip()]
+        if strict and set_by_node:
+            raise ConfigError(f"{set_by_node[0]}: set by the ClientApp of a SuperNode whose node "
+                              "config names its own data-file (it then reads only its users' "
+                              "rows); a run config does not set it")
         given = {**values, **plugin}
         params = tuple((p.key, p.parse(given.get(p.key, p.default))) for p in own.values())
         config = cls(**core, params=params)
@@ -261,6 +267,9 @@ def _plugin_values(text: Any) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, TypeError, ValueError):
         raise ConfigError(f"{PLUGIN_CONFIG}: {text!r} is not a TOML inline table such as "
                           "'{ my-key = 1.5 }'") from None
+
+
+NODE_KEYS = ("data-part",)  # set by a node for itself, never by a user's run config
 
 
 def _check_unknown(algorithm: str, own: Mapping[str, Param], values: Mapping[str, Any],

@@ -62,6 +62,10 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
     sets = parse_overrides(overrides)
     if path:
         given = read_config_file(path)
+        for table, command in (("sweep", "sweep"), ("series", "sweep"), ("tune", "tune")):
+            if isinstance(given.get(table), (dict, list)):
+                raise ConfigError(f"{path} is a {command} file (it has a [{table}] table), not "
+                                  f"a run config: run it with `fedpriv {command} {path}`")
         if "algorithm" in sets and sets["algorithm"] != given.get("algorithm",
                                                                   values["algorithm"]):
             kept = select_keys({**given, "algorithm": sets["algorithm"]})

@@ -182,6 +182,10 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
                     if eps is not None:
                         run_values["epsilon"] = float(eps)
                     config = _config(where_x, run_values)
+                    try:  # every value of a data file, read once per process (cached)
+                        algorithm.check_inputs(config)
+                    except ConfigError as err:
+                        raise ConfigError(f"{where_x}: {err}") from None
                     if eps is not None and seed == seeds[0]:
                         try:
                             check_plan(config)

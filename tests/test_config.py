@@ -43,3 +43,15 @@ def test_the_flower_app_config_is_the_rendering_of_the_declarations():
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
     assert declared == app_config(), "regenerate with: fedpriv algorithms --flwr-config"
+
+
+@pytest.mark.parametrize(("name", "command"), [("figure_fmnist_label_skew.toml", "sweep"),
+                                               ("tune_private_fedrep.toml", "tune")])
+def test_a_sweep_or_tuning_file_given_to_run_names_the_command_to_use(name, command):
+    from pathlib import Path
+
+    from fedpriv.config_files import load_run_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    with pytest.raises(ConfigError, match=f"is a {command} file .*`fedpriv {command} "):
+        load_run_config(str(path), [])

@@ -422,6 +422,12 @@ def test_bad_models_and_too_small_users_fail_before_the_run(tmp_path, monkeypatc
         config(cross_fit=19)  # two batches of 9 rows a user
     with pytest.raises(ConfigError, match="cross-fit.*0 or an integer >= 2"):
         config(cross_fit=1)
+    # digits at the core default of 2,000 users: the key to change and a size that fits
+    with pytest.raises(ConfigError, match=r"num-users: 2000 users .* use num-users below "
+                                          r"\d+ \(somewhat below"):
+        config(num_users=2000)
+    with pytest.raises(ConfigError, match="model: cnn needs image inputs .*input-shape"):
+        config(model="cnn", input_shape="64")
     results = run(tmp_path, "deep-fedrep", model="my_models:good")
     assert results["metrics"]["accuracy"] > 0.2
 

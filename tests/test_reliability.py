@@ -544,6 +544,34 @@ def test_the_cli_refuses_to_silently_restart_an_interrupted_run(tmp_path, capsys
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_refused_resume_leaves_no_lock_file(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["run", "--engine", "inprocess", "--out", str(out), "--set", "num-users=300",
+            "--set", "dim=8", "--resume"]
+    assert cli_main(args) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither a checkpoint nor its lock
+
+
+def test_a_data_error_found_during_an_in_process_run_stops_it_cleanly(tmp_path, capsys,
+                                                                      monkeypatch):
+    """An error that only reading the users' data reveals (the CLI checks what it can before
+    the run) ends the command with status 2 and the message, not a traceback."""
+    from fedpriv import engine
+    from fedpriv.data.sources import DatasetError
+
+    def failing(config, **kwargs):
+        raise DatasetError("dataset: csv: rows of the train split were asked for that this "
+                           "process did not load")
+    monkeypatch.setattr(engine, "run_in_process", failing)
+    args = ["run", "--engine", "inprocess", "--out", str(tmp_path / "r.json"), "--set",
+            "num-users=300", "--set", "dim=8"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "fedpriv: the run stopped: dataset: csv: rows of the train split" in err
+    assert "Traceback" not in err and not (tmp_path / "r.json").exists()
+
+
 # ----- secure noise -----------------------------------------------------------------------------
 def test_secure_noise_refuses_a_fixed_noise_seed():
     with pytest.raises(ConfigError, match="noise-seed"):

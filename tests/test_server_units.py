@@ -311,6 +311,8 @@ def test_the_results_dict_is_built_from_its_inputs():
     assert "epsilon spent 1.5000" in lines[2] and "{'timeout': 2}" in lines[-1]
     results["privacy"]["epsilon"] = None
     assert "non-private" in summary_lines(results)[2]
+    results["metrics"] = {}  # no node answered the final step: no quality figures of nan
+    assert "no metrics: no node answered" in summary_lines(results)[1]
 
 
 def test_a_step_report_and_its_progress_line():

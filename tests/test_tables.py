@@ -75,10 +75,20 @@ def write_npz(path, rows=ROWS):
     return path
 
 
-def cfg(dataset, path, **keys):
+def cfg(dataset, path, strict=None, **keys):
+    """A user's run config (strict: the CLI's), or with ``data_part`` a node's (not strict, as
+    the ClientApp parses it: a run config may not set data-part)."""
     return RunConfig.from_mapping({**KEYS, "dataset": dataset, "data-file": str(path),
                                    **{k.replace("_", "-"): v for k, v in keys.items()}},
-                                  strict=True)
+                                  strict="data_part" not in keys if strict is None else strict)
+
+
+def checked(config):
+    """The CLI's check before a run whose nodes read this file: every value of it."""
+    from fedpriv.registry import get_algorithm
+
+    get_algorithm(config.algorithm).check_inputs(config)
+    return config
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
@@ -136,8 +146,13 @@ def test_a_csv_node_parses_only_its_own_rows_and_the_server_only_the_id_columns(
     server = problem_of(cfg("csv", path), features=False)
     assert server.source.x_train.shape == (0, 64) and server.spec.input_shape == (64,)
     assert np.array_equal(server.users.train.counts, node.users.train.counts)
-    with pytest.raises(ConfigError, match="not a number"):
+    with pytest.raises(ConfigError, match="not a finite number"):
         problem_of(cfg("csv", path))
+    # the CLI's check before a run of this file reads every feature: the first junk cell
+    first_junk = next(i for i in range(len(ROWS)) if ROWS[i][0] not in own_ids)
+    with pytest.raises(ConfigError, match=f"line {first_junk + 2}, column 3: 'junk' is not a "
+                                          "finite number"):
+        checked(cfg("csv", path))
 
 
 def test_a_run_on_a_table_equals_the_run_on_the_npz(tmp_path):
@@ -154,7 +169,8 @@ def test_a_run_on_a_table_equals_the_run_on_the_npz(tmp_path):
 @pytest.mark.parametrize(("header", "rows", "match"), [
     (["user", "label", "px0"], None, "lacks the column.*split"),
     (["user", "split", "label"], None, "no feature columns"),
-    (None, [(1, "validation", 0, np.zeros(64))], "'train' or 'test'"),
+    (None, [(1, "validation", 0, np.zeros(64))], "split = 'validation'; it must be 'train' or "
+                                                 "'test'"),
     (None, [(1, "train", -1, np.zeros(64))], "labels must be integers >= 0"),
 ])
 def test_a_malformed_table_fails_before_the_run_naming_the_problem(tmp_path, header, rows,
@@ -223,3 +239,91 @@ def test_a_table_of_images_runs_a_cnn_as_the_npz_of_the_images_does(tmp_path):
             get_validated(cfg("csv", path, input_shape=bad, **keys))
     with pytest.raises(ConfigError, match="input-shape"):
         cfg("csv", path, input_shape="1,x")
+
+
+@pytest.mark.parametrize("cell", ["abc", "nan", "inf", ""])
+def test_a_feature_that_is_not_a_finite_number_fails_before_the_run_naming_its_place(
+        tmp_path, cell):
+    """The CLI's strict parse reads every feature once (a node later reads only its own rows:
+    a bad cell found there would stop that node in every round, and a Flower run would go on
+    without it)."""
+    path = write_csv(tmp_path / "d.csv")
+    lines = path.read_text().splitlines()
+    fields = lines[5].split(",")
+    fields[7] = cell  # line 6 of the file, column 8: a feature (label, user, px0.. first)
+    lines[5] = ",".join(fields)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=f"line 6, column 8: '{cell}' is not a finite number"):
+        checked(cfg("csv", path))
+    problem_of(cfg("csv", path), features=False)  # the server's read: columns only
+
+
+def test_a_parquet_feature_that_is_missing_or_not_finite_fails_before_the_run(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    good = write_parquet(tmp_path / "good.parquet")
+    table = pq.read_table(good)
+    column = table.column("px3").to_numpy().copy()
+    column[50] = np.nan
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("px3"), "px3",
+                                    pa.array(column)), bad, row_group_size=100)
+    with pytest.raises(ConfigError, match="'px3' holds a missing or non-finite value"):
+        checked(cfg("parquet", bad))
+    texts = tmp_path / "text.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("px3"), "px3",
+                                    pa.array([str(v) for v in column])), texts)
+    with pytest.raises(ConfigError, match="'px3' has type string"):
+        checked(cfg("parquet", texts))
+    # a node reading its rows (no full check) still refuses the non-finite value
+    with pytest.raises(ConfigError, match="non-finite feature"):
+        problem_of(cfg("parquet", bad))
+
+
+def test_an_npz_with_non_finite_features_is_refused(tmp_path):
+    path = write_npz(tmp_path / "d.npz")
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["x_test"][3, 5] = np.inf
+    np.savez(path, **arrays)
+    with pytest.raises(ConfigError, match="x_test must hold finite numbers .*1 non-finite"):
+        get_validated(cfg("npz", path))
+
+
+def test_a_run_config_may_not_set_what_a_node_sets_for_itself(tmp_path):
+    path = write_csv(tmp_path / "d.csv")
+    with pytest.raises(ConfigError, match="data-part: set by the ClientApp"):
+        cfg("csv", path, data_part="0/2", strict=True)
+
+
+def test_natural_users_below_the_files_count_are_the_smallest_ids(tmp_path):
+    path = write_csv(tmp_path / "d.csv")
+    problem = problem_of(cfg("csv", path, num_users=5))
+    ids = np.unique([r[0] for r in ROWS])  # integers, in numeric order
+    for u in range(5):
+        block = user_block(problem, np.array([u]))
+        expected = [r for r in ROWS if r[0] == ids[u] and r[1] == "train"]
+        assert block.counts[0] == len(expected)
+        assert sorted(block.y[0, :len(expected)].tolist()) == sorted(r[2] for r in expected)
+
+
+def test_a_data_file_with_a_dataset_that_does_not_read_one_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="data-file: read only with dataset = npz, csv or "
+                                          "parquet; dataset = 'digits' would ignore"):
+        RunConfig.from_mapping({**KEYS, "partition": "label-skew", "num-users": 50,
+                                "dataset": "digits", "data-file": str(tmp_path / "x.csv")})
+
+
+def test_the_cli_refuses_a_bad_cell_before_the_run_and_keeps_the_run_config_parse_light(
+        tmp_path, capsys):
+    from fedpriv.cli import main as cli_main
+
+    path = write_csv(tmp_path / "d.csv", junk=lambda i: i == 30)
+    out = tmp_path / "r.json"
+    args = ["run", "--engine", "inprocess", "--out", str(out), "--set", "dataset=csv",
+            "--set", f"data-file={path}", *[f"--set={k}={v}" for k, v in KEYS.items()
+                                             if k not in ("checkpoint",)]]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "invalid config: data-file:" in err and "line 32, column 3: 'junk'" in err
+    assert not out.exists()

@@ -144,6 +144,14 @@ class Algorithm:
                               f"{', '.join(cls.feature_families)} (or auto), not "
                               f"{config.feature_dist!r}")
 
+    @classmethod
+    def check_inputs(cls, config: Any) -> None:
+        """Checks that read the run's input data in full (a data file's every value). The CLI
+        runs them before a run whose nodes read the files it was given (``fedpriv run``,
+        ``sweep``, ``tune``); not the server nor the nodes, which read only what they need, nor
+        ``fedpriv deploy submit`` (each SuperNode may read its own copy, and the server's copy
+        may lack real features). Raise ``ConfigError`` naming the key; nothing by default."""
+
     def privacy_plan(self) -> list[PlannedRelease]:
         """Every private release one user takes part in, with budget weights."""
         raise NotImplementedError

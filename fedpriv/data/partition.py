@@ -87,7 +87,7 @@ def _partition(source: Source, scheme: str, num_users: int, seed: int, classes_p
     if scheme not in SCHEMES:
         raise PartitionError(f"partition: {scheme!r} is not one of {', '.join(SCHEMES)}")
     if scheme == "natural":
-        return _natural(source, num_users)
+        return _natural(source, num_users)  # the num-users smallest ids
     labels = source.y_train
     if scheme == "iid":
         order = np.random.default_rng([seed, _IID_PURPOSE]).permutation(len(labels))
@@ -123,9 +123,16 @@ def _skewed_rows(labels: np.ndarray, scheme: str, num_users: int, seed: int,
             if not len(holders):
                 continue
             if len(holders) > len(rows):
+                fewest = min(len(r) for r in by_class)
                 raise PartitionError(
-                    f"classes-per-user: class {c} would be shared by {len(holders)} users but "
-                    f"has {len(rows)} rows; use fewer users or fewer classes per user")
+                    f"num-users: {num_users} users with classes-per-user = {classes_per_user} "
+                    f"of {len(classes)} classes leave class {c} ({len(rows)} training rows) "
+                    f"to {len(holders)} users, fewer than one row each. Each class goes to "
+                    f"about num-users x {classes_per_user} / {len(classes)} users and the "
+                    f"smallest has {fewest} rows: use num-users below "
+                    f"{fewest * len(classes) // classes_per_user} (somewhat below: the classes "
+                    "are drawn at random, and users need two batches of rows), fewer classes "
+                    "per user, or a larger dataset")
             for user, chunk in zip(holders, np.array_split(rows, len(holders)), strict=False):
                 pieces[user].append(chunk)
     else:

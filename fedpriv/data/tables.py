@@ -12,6 +12,12 @@ Two reads, so that a SuperNode of a deployment never holds the whole file:
   feature columns; CSV has no index, so the file is streamed once and only the wanted rows are
   parsed and kept.
 
+And one check, ``check_features``, that every feature of the file is a finite number (each CSV
+row parsed and dropped; a Parquet file's feature columns read one row group at a time): the
+CLI runs it before a run on the file it was given, so that a bad cell stops the run before it
+starts rather than in a node's first round (where a Flower run would go on without that node's
+users). Neither the server nor a node runs it: they keep to the columns and rows above.
+
 Parquet needs ``pyarrow`` (``pip install pyarrow``; it comes with ``flwr-datasets``). CSV needs
 nothing but the standard library.
 """
@@ -19,6 +25,7 @@ nothing but the standard library.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -114,9 +121,66 @@ def table_columns(path: Path, fmt: str) -> TableColumns:
     wrong = np.flatnonzero(~np.isin(split_array, SPLITS))
     if wrong.size:
         raise TableError(f"data-file: {path}: row {int(wrong[0])} has {SPLIT} = "
-                         f"{split_array[wrong[0]]!r}; it must be 'train' or 'test'")
+                         f"{str(split_array[wrong[0]])!r}; it must be 'train' or 'test'")
     features = tuple(name for name in header if name not in (USER, SPLIT, LABEL))
     return TableColumns(path, fmt, _user_ids(users), split_array, label_array, features)
+
+
+def _parse_features(row: list[str], keep: list[int], path: Path, line: int) -> list[float]:
+    """The features of one CSV row as floats, or a ``TableError`` naming the line and column
+    of the first cell that is not a finite number."""
+    try:
+        values = list(map(float, [row[j] for j in keep]))
+    except ValueError:
+        values = None
+    if values is None or not all(map(math.isfinite, values)):
+        bad = next(j for j in keep if not _finite(row[j]))
+        raise TableError(f"data-file: {path} line {line}, column {bad + 1}: {row[bad]!r} is "
+                         "not a finite number (every column but user, split and label is a "
+                         "numeric feature)")
+    return values
+
+
+def _finite(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+@lru_cache(maxsize=4)
+def check_features(path: Path, fmt: str) -> None:
+    """Raise a ``TableError`` naming the place of the first feature that is not a finite
+    number, reading the whole file once and keeping none of it (cached per process)."""
+    columns = table_columns(path, fmt)
+    if fmt == "csv":
+        with open(path, newline="") as fh:
+            reader = csv.reader(fh)
+            header = next(reader)
+            keep = [header.index(name) for name in columns.features]
+            for line, row in enumerate(reader, start=2):
+                _parse_features(row, keep, path, line)
+        return
+    import pyarrow as pa
+
+    names = list(columns.features)
+    source = _pyarrow().ParquetFile(path)
+    schema = source.schema_arrow
+    for name in names:
+        kind = schema.field(name).type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
+                or pa.types.is_boolean(kind)):
+            raise TableError(f"data-file: {path}: feature column {name!r} has type {kind}; "
+                             "every column but user, split and label must be numeric")
+    for group in range(source.num_row_groups):
+        table = source.read_row_group(group, columns=names)
+        for name in names:
+            column = table.column(name)
+            values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+            if column.null_count or not np.isfinite(values).all():
+                raise TableError(f"data-file: {path}: feature column {name!r} holds a missing "
+                                 "or non-finite value (row group "
+                                 f"{group}); every feature must be a finite number")
 
 
 def _locate(path: Path, header: list[str]) -> dict[str, int]:
@@ -156,11 +220,7 @@ def _csv_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) -> Non
                 break
             if row_number != wanted[k]:
                 continue
-            try:
-                out[k] = [float(row[j]) for j in keep]
-            except ValueError:
-                raise TableError(f"data-file: {columns.path} line {row_number + 2}: a feature "
-                                 "is not a number") from None
+            out[k] = _parse_features(row, keep, columns.path, row_number + 2)
             k += 1
 
 
@@ -178,5 +238,9 @@ def _parquet_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) ->
         except (TypeError, ValueError):
             raise TableError(f"data-file: {columns.path}: feature columns must be "
                              "numeric") from None
+        if not np.isfinite(block).all():
+            raise TableError(f"data-file: {columns.path}: row group {int(group)} holds a "
+                             "missing or non-finite feature; every feature must be a finite "
+                             "number")
         mine = group_of == group
         out[mine] = block[wanted[mine] - starts[group]]

@@ -98,7 +98,9 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
 def summary_lines(results: Mapping[str, Any]) -> list[str]:
     """A few lines on a finished run: what ran, its quality, its privacy, its wall time."""
     m, p = results["metrics"], results["privacy"]
-    if "transfer_risk" in m:  # meta-learning: risk of fresh tasks
+    if not m:  # no user was evaluated (every node failed the final step)
+        quality = "  no metrics: no node answered the final step (see the rejected replies)"
+    elif "transfer_risk" in m:  # meta-learning: risk of fresh tasks
         quality = (f"  transfer risk {m['transfer_risk']:.4g} on {m['fresh_tasks']:.0f} fresh tasks"
                    f"   local training {m['local_risk']:.4g}")
         if "cluster_purity" in m:

@@ -94,7 +94,11 @@ class CheckpointStore:
         self.close()
 
     def close(self) -> None:
-        """Release the lock (a process that dies releases it too)."""
+        """Release the lock (a process that dies releases it too). Where no checkpoint is left
+        (a run refused before its first step, or one that ended), its lock file goes too,
+        removed while still held so that no other server can be holding that file."""
         if self._lock is not None:
+            if self.path is not None and not self.path.exists():
+                self.path.with_name(self.path.name + ".lock").unlink(missing_ok=True)
             checkpoint.unlock(self._lock)
             self._lock = None

@@ -279,6 +279,7 @@ def _check_points(spec: TuneSpec) -> None:
         try:
             config = RunConfig.from_mapping(spec.candidate_values(point, spec.epsilon),
                                             strict=True)
+            algorithm_for(config).check_inputs(config)  # every value of a data file (cached)
         except ConfigError as err:
             raise ConfigError(f"candidate ({where}): {err}") from None
         names = algorithm_for(config).evaluation_bounds(config)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,6 +32,7 @@ from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
 from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
 from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, problem_of, user_block
+from fedpriv.data.tables import TABLE_FORMATS, TableError, check_features
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.randomness import user_uniforms
@@ -149,6 +151,17 @@ class DeepAlgorithm(Algorithm):
             raise ConfigError(f"cross-fit: {config.cross_fit} folds of a user's two batches "
                               f"of {problem.batch_size} rows leave a fold empty (at most "
                               f"{2 * problem.batch_size})")
+
+    @classmethod
+    def check_inputs(cls, config: Any) -> None:
+        """Every feature of a csv/parquet data-file a finite number (the file read once and
+        dropped), so that a bad cell stops the run before it starts, not in a node's first
+        round, where a Flower run would go on without that node's users."""
+        if config.dataset in TABLE_FORMATS:
+            try:
+                check_features(Path(config.data_file), config.dataset)
+            except TableError as err:
+                raise ConfigError(str(err)) from None
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

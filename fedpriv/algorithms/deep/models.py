@@ -44,7 +44,9 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     the linear head. Needs image inputs (C, H, W) with H, W >= 4."""
     if len(input_shape) != 3 or min(input_shape[1:]) < 4:
         raise ConfigError(f"model: cnn needs image inputs (channels, height >= 4, width >= 4); "
-                          f"the dataset's inputs are {input_shape}")
+                          f"the dataset's inputs are {input_shape} (a table's or npz's flat "
+                          "features become images with input-shape, e.g. input-shape = "
+                          "\"1,8,8\" for 64 pixels)")
     c, h, w = input_shape
     flat = 32 * (h // 4) * (w // 4)
     return nn.Sequential(

@@ -47,6 +47,9 @@ def _check_data(config: Any) -> None:
     if config.dataset in FILE_SOURCES and not config.data_file:
         raise ConfigError(f"data-file: dataset = \"{config.dataset}\" needs data-file (the "
                           "path of your file)")
+    if config.data_file and config.dataset not in FILE_SOURCES:
+        raise ConfigError(f"data-file: read only with dataset = npz, csv or parquet; dataset = "
+                          f"{config.dataset!r} would ignore {config.data_file!r}")
     if config.partition == "natural" and config.dataset not in FILE_SOURCES:
         raise ConfigError(f"partition: 'natural' needs data with a user column (dataset = "
                           f"npz, csv or parquet), not {config.dataset!r}")
@@ -67,7 +70,8 @@ DATA = ParamGroup("deep data", (
           "the users of node partition i of N (set by the ClientApp when the node config names "
           "a data-file)", _part_ok, "\"\" or i/N with 0 <= i < N", public=False),
     Param("partition", str, "label-skew", "how rows become users: `label-skew` (S classes per "
-          "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column)",
+          "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column; "
+          "the num-users smallest ids, integers in numeric order)",
           *one_of(SCHEMES)),
     Param("classes-per-user", int, 5, "S of label-skew", positive, "an integer >= 1"),
     Param("dirichlet-alpha", float, 0.5, "alpha of the dirichlet partition", positive,
