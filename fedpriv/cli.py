@@ -17,6 +17,7 @@ sub-commands (a real SuperLink + SuperNodes deployment, docker-compose) are inst
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedpriv.outputs import output_lines, release_path, write_outputs
     from fedpriv.privacy.accounting import InfeasiblePlanError
     from fedpriv.registry import get_algorithm
-    from fedpriv.server import check_run, summary_lines
+    from fedpriv.server import check_run, silent_run, summary_lines
 
     try:
         if args.ray_address and args.engine != "flower":
@@ -74,15 +75,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             checkpoint.remove(ckpt)  # the results file is now the record of the run
         print("\n".join(summary_lines(results)))
         print("\n".join(output_lines(report, release, results)))
-        return 0
+        return _silent(silent_run(results))
     code = run_flower(config, values, out, args.keep_superlink, ray_address=args.ray_address)
     if code == 0 and not release_path(out).is_file():
         print(f"fedpriv: the run wrote {out} but no release beside it", file=sys.stderr)
         code = 1
+    if code == 0:
+        code = _silent(silent_run(json.loads(out.read_text())))
     if code != 0 and ckpt is not None and ckpt.exists():
         print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)}); continue "
               "with: fedpriv run ... --resume", file=sys.stderr)
     return code
+
+
+def _silent(message: str | None) -> int:
+    """Exit status 1, with the message, for a run that no node answered; else 0."""
+    if message is None:
+        return 0
+    print(f"fedpriv: {message}", file=sys.stderr)
+    return 1
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

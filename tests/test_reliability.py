@@ -572,6 +572,33 @@ def test_a_data_error_found_during_an_in_process_run_stops_it_cleanly(tmp_path, 
     assert "Traceback" not in err and not (tmp_path / "r.json").exists()
 
 
+def test_a_run_that_no_node_answered_exits_non_zero_naming_why(tmp_path, capsys,
+                                                                monkeypatch):
+    """Every node failing every step (a node config, data file or model the nodes cannot
+    use) still gives a private run, of noise alone: the CLI says so and exits 1."""
+    from fedpriv import engine
+    from fedpriv.server import silent_run
+
+    config = RunConfig.from_mapping({"num-users": 300, "dim": 8, "checkpoint": False,
+                                     "results-path": str(tmp_path / "real.json")})
+    results = run_in_process(config, log=lambda _: None)
+    assert silent_run(results) is None
+    for step in results["rounds"]:
+        step["nodes_answered"] = 0
+    silent = copy.deepcopy(results)
+    silent["rejections"] = {"node-error": len(silent["rounds"])}
+    monkeypatch.setattr(engine, "run_in_process", lambda *a, **k: silent)
+    args = ["run", "--engine", "inprocess", "--out", str(tmp_path / "r.json"), "--set",
+            "num-users=300", "--set", "dim=8"]
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert f"no node answered any of the run's {len(silent['rounds'])} steps" in err
+    assert "'node-error'" in err and (tmp_path / "r.json").is_file()  # written all the same
+    answered_once = copy.deepcopy(silent)
+    answered_once["rounds"][-1]["nodes_answered"] = 1
+    assert silent_run(answered_once) is None
+
+
 # ----- secure noise -----------------------------------------------------------------------------
 def test_secure_noise_refuses_a_fixed_noise_seed():
     with pytest.raises(ConfigError, match="noise-seed"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shlex
 import subprocess
 import sys
@@ -137,6 +138,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if results.is_file() and results.stat().st_mtime >= started - 1.0:
             print(f"fedpriv: results of this run in {results} (operator report, not private) "
                   f"and {release_path(results)} (the release)", flush=True)
+            from fedpriv.server import silent_run
+
+            silent = silent_run(json.loads(results.read_text()))
+            if silent is not None:
+                print(f"fedpriv: {silent}", file=sys.stderr)
+                return 1
             return 0
         time.sleep(0.5)
     print(f"fedpriv: the run ended but {results} was not written by it (see the SuperLink's "

@@ -11,7 +11,7 @@
 from fedpriv.server.core import PrivateServer, check_plan, check_run
 from fedpriv.server.release import BudgetExceededError, Releaser, calibrate
 from fedpriv.server.replies import REJECTION_KINDS, NodeReply, ReplyChecker
-from fedpriv.server.report import progress_line, results_dict, summary_lines
+from fedpriv.server.report import progress_line, results_dict, silent_run, summary_lines
 from fedpriv.server.store import CheckpointStore
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "check_run",
     "progress_line",
     "results_dict",
+    "silent_run",
     "summary_lines",
 ]

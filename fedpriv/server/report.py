@@ -95,6 +95,19 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
     }
 
 
+def silent_run(results: Mapping[str, Any]) -> str | None:
+    """A message where no node answered any step of the run (every release is noise alone and
+    nothing was evaluated: a node config, data file or model the nodes cannot use); else None.
+    The run is private all the same; the CLI exits non-zero so that nobody mistakes it for a
+    result."""
+    steps = results.get("rounds") or []
+    if not steps or any(step.get("nodes_answered", 1) for step in steps):
+        return None
+    return (f"no node answered any of the run's {len(steps)} steps: every release is noise "
+            f"alone and there are no metrics (rejected replies: {dict(results['rejections'])};"
+            " the nodes' logs say why)")
+
+
 def summary_lines(results: Mapping[str, Any]) -> list[str]:
     """A few lines on a finished run: what ran, its quality, its privacy, its wall time."""
     m, p = results["metrics"], results["privacy"]
