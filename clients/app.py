@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 import fedpriv.algorithms.catalogue  # noqa: F401
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step
+from fedpriv.algorithms.deep.params import FILE_SOURCES
 from fedpriv.cohorts import node_step, partition_users
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import algorithm_for
@@ -45,7 +46,7 @@ def _run_config(context: Context, pid: int, parts: int) -> RunConfig:
     (``data-file=...``): a csv/parquet node then reads only its own users' rows."""
     values = dict(context.run_config)
     own_file = context.node_config.get(P.KEY_DATA_FILE)
-    if own_file:
+    if own_file and values.get("dataset") in FILE_SOURCES:  # else the run reads no data file
         values.update({P.KEY_DATA_FILE: str(own_file), P.KEY_DATA_PART: f"{pid}/{parts}"})
     return RunConfig.from_mapping(values)
 

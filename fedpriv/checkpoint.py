@@ -80,14 +80,27 @@ def lock(path: Path) -> int:
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+    lock_path = path.with_name(path.name + ".lock")
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise CheckpointError(f"another server (pid {holder}) is running the run of "
+                                  f"{path}; two servers would publish its releases twice") \
+                from None
+        # the holder before us may have removed the file (``remove``, ``store.close``) after
+        # we opened it: a lock on that unlinked file would exclude no one, so take the lock of
+        # the file now at the path
+        try:
+            current = os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
         os.close(fd)
-        raise CheckpointError(f"another server (pid {holder}) is running the run of {path}; "
-                              "two servers would publish its releases twice") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd

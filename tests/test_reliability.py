@@ -553,6 +553,32 @@ def test_a_refused_resume_leaves_no_lock_file(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # neither a checkpoint nor its lock
 
 
+def test_a_lock_taken_on_a_file_its_holder_just_removed_is_taken_again(tmp_path, monkeypatch):
+    """The previous holder removes the lock file (a run ended or was refused) between our
+    open and our flock: a lock on the unlinked file would exclude no one, so ``lock`` takes
+    the lock of the file now at the path, and a second server is refused."""
+    import fcntl
+
+    path = tmp_path / "r.checkpoint"
+    lock_path = tmp_path / "r.checkpoint.lock"
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            lock_path.unlink()  # the holder's close(), just before our flock
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    fd = checkpoint.lock(path)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert len(calls) == 2  # tried again on the new file
+    assert os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+    with pytest.raises(CheckpointError, match="another server"):
+        checkpoint.lock(path)
+    checkpoint.unlock(fd)
+
+
 def test_a_data_error_found_during_an_in_process_run_stops_it_cleanly(tmp_path, capsys,
                                                                       monkeypatch):
     """An error that only reading the users' data reveals (the CLI checks what it can before

@@ -241,7 +241,7 @@ def test_a_table_of_images_runs_a_cnn_as_the_npz_of_the_images_does(tmp_path):
         cfg("csv", path, input_shape="1,x")
 
 
-@pytest.mark.parametrize("cell", ["abc", "nan", "inf", ""])
+@pytest.mark.parametrize("cell", ["abc", "nan", "inf", "", "1e39"])  # 1e39: inf in float32
 def test_a_feature_that_is_not_a_finite_number_fails_before_the_run_naming_its_place(
         tmp_path, cell):
     """The CLI's strict parse reads every feature once (a node later reads only its own rows:
@@ -258,12 +258,28 @@ def test_a_feature_that_is_not_a_finite_number_fails_before_the_run_naming_its_p
     problem_of(cfg("csv", path), features=False)  # the server's read: columns only
 
 
+def test_a_bad_cell_is_named_by_the_line_its_record_starts_on(tmp_path):
+    """A quoted field may span lines: the error names the file's line, not the record's
+    number, in the full check and in a node's read."""
+    path = tmp_path / "d.csv"
+    path.write_text('user,split,label,px0,px1\n"user\none",train,0,0.5,1\n'
+                    'two,train,1,3,x\n')
+    with pytest.raises(tables.TableError, match="line 4, column 5: 'x'"):
+        tables.check_features(path, "csv")
+    columns = tables.table_columns(path, "csv")
+    with pytest.raises(tables.TableError, match="line 4, column 5"):
+        tables.table_rows(columns, np.array([1]))
+    path.write_text('user,split,label,px0,px1\n"user\none",train,0,0.5,1\n'
+                    'two,train,1,3,4.0\n')  # mended: a new size and time, checked again
+    tables.check_features(path, "csv")
+
+
 def test_the_full_csv_check_passes_a_clean_file_with_or_without_its_fast_path(tmp_path,
                                                                               monkeypatch):
     path = write_csv(tmp_path / "d.csv")
     assert tables._arrow_finds_all_finite(path, tuple(FEATURES))
     checked(cfg("csv", path))
-    tables.check_features.cache_clear()
+    tables._checked_features.cache_clear()
     monkeypatch.setattr(tables, "_arrow_finds_all_finite", lambda *a: False)  # no pyarrow
     checked(cfg("csv", path))  # the row-by-row scan agrees
 
@@ -290,14 +306,27 @@ def test_a_parquet_feature_that_is_missing_or_not_finite_fails_before_the_run(tm
         problem_of(cfg("parquet", bad))
 
 
-def test_an_npz_with_non_finite_features_is_refused(tmp_path):
+@pytest.mark.parametrize("value", [np.inf, 1e39])
+def test_an_npz_with_non_finite_features_is_refused(tmp_path, value):
     path = write_npz(tmp_path / "d.npz")
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
-    arrays["x_test"][3, 5] = np.inf
+    arrays["x_test"] = arrays["x_test"].astype(np.float64)
+    arrays["x_test"][3, 5] = value
     np.savez(path, **arrays)
-    with pytest.raises(ConfigError, match="x_test must hold finite numbers .*1 non-finite"):
+    with pytest.raises(ConfigError, match="x_test holds 1 values that are not finite numbers "
+                                          "in float32"):
         get_validated(cfg("npz", path))
+
+
+def test_an_npz_of_boolean_features_is_numbers(tmp_path):
+    path = write_npz(tmp_path / "d.npz")
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    for split in ("train", "test"):
+        arrays[f"x_{split}"] = arrays[f"x_{split}"] > 0
+    np.savez(path, **arrays)
+    assert problem_of(cfg("npz", path)).source.x_train.dtype == np.float32
 
 
 def test_a_run_config_may_not_set_what_a_node_sets_for_itself(tmp_path):
@@ -337,3 +366,28 @@ def test_the_cli_refuses_a_bad_cell_before_the_run_and_keeps_the_run_config_pars
     err = capsys.readouterr().err
     assert "invalid config: data-file:" in err and "line 32, column 3: 'junk'" in err
     assert not out.exists()
+
+
+def test_a_node_config_data_file_is_used_only_by_a_run_that_reads_a_file(tmp_path):
+    """A SuperNode started with its own data-file (``fedpriv deploy commands --node-data``)
+    can still serve a run on a built-in dataset: the ClientApp passes the file on only where
+    the run reads one."""
+    from flwr.app import Context, RecordDict
+
+    from clients.app import _run_config
+    from fedpriv import protocol as P
+
+    path = write_csv(tmp_path / "d.csv")
+
+    def node(dataset, **extra):
+        run = RunConfig.from_mapping({**KEYS, "dataset": dataset, **extra}).to_mapping()
+        context = Context(run_id=1, node_id=7, state=RecordDict(), run_config=run,
+                          node_config={P.KEY_PARTITION: 1, P.KEY_NUM_PARTITIONS: 2,
+                                       P.KEY_DATA_FILE: str(path)})
+        return _run_config(context, 1, 2)
+
+    digits = node("digits", partition="label-skew", num_users=100)
+    assert digits.data_file == "" and digits.data_part == ""
+    server_copy = write_csv(tmp_path / "server.csv")
+    table = node("csv", **{"data-file": str(server_copy)})
+    assert table.data_file == str(path) and table.data_part == "1/2"

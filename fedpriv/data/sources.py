@@ -192,12 +192,16 @@ def _npz(path: Path) -> Source:
         if len(x) != len(y) or y.ndim != 1:
             raise DatasetError(f"data-file: {path}: x_{split} and y_{split} must have one "
                                "label per row")
-        if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
-            raise DatasetError(f"data-file: {path}: x_{split} must hold finite numbers "
-                               f"(it has dtype {x.dtype}"
-                               + ("" if not np.issubdtype(x.dtype, np.number)
-                                  else f" and {int(np.size(x) - np.isfinite(x).sum())} "
-                                       "non-finite values") + ")")
+        if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+            raise DatasetError(f"data-file: {path}: x_{split} must hold numbers (it has dtype "
+                               f"{x.dtype})")
+        with np.errstate(over="ignore", invalid="ignore"):
+            held = x.astype(np.float32)  # as the features are held
+        if not np.isfinite(held).all():
+            raise DatasetError(f"data-file: {path}: x_{split} holds "
+                               f"{int(held.size - np.isfinite(held).sum())} values that are "
+                               "not finite numbers in float32 (nan, inf, or a magnitude of "
+                               "3.4e38 or more)")
     ys = np.concatenate([arrays["y_train"], arrays["y_test"]])
     if ys.size and (ys.min() < 0 or not np.issubdtype(ys.dtype, np.integer)):
         raise DatasetError(f"data-file: {path}: labels must be integers >= 0")

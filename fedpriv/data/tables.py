@@ -25,7 +25,7 @@ nothing but the standard library.
 from __future__ import annotations
 
 import csv
-import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -96,7 +96,7 @@ def table_columns(path: Path, fmt: str) -> TableColumns:
                 raise TableError(f"data-file: {path} is empty (a header row is needed)")
             where = _locate(path, header)
             users, splits, labels = [], [], []
-            for line, row in enumerate(reader, start=2):
+            for line, row in _records(reader):
                 if len(row) != len(header):
                     raise TableError(f"data-file: {path} line {line} has {len(row)} fields, "
                                      f"the header {len(header)}")
@@ -126,18 +126,24 @@ def table_columns(path: Path, fmt: str) -> TableColumns:
     return TableColumns(path, fmt, _user_ids(users), split_array, label_array, features)
 
 
+# the smallest magnitude that float32 rounds to infinity, (2 - 2^-24) 2^127: features are held
+# as float32, so a value at or above it (1e39, say) is as unusable as inf
+F32_OVERFLOW = float.fromhex("0x1.ffffffp+127")
+
+
 def _parse_features(row: list[str], keep: list[int], path: Path, line: int) -> list[float]:
     """The features of one CSV row as floats, or a ``TableError`` naming the line and column
-    of the first cell that is not a finite number."""
+    of the first cell that is not a finite number in float32."""
     try:
         values = list(map(float, [row[j] for j in keep]))
     except ValueError:
         values = None
-    if values is None or not all(map(math.isfinite, values)):
+    # ``F32_OVERFLOW > v`` is False for nan as for too large a value
+    if values is None or not all(map(F32_OVERFLOW.__gt__, map(abs, values))):
         bad = next(j for j in keep if not _finite(row[j]))
         raise TableError(f"data-file: {path} line {line}, column {bad + 1}: {row[bad]!r} is "
-                         "not a finite number (every column but user, split and label is a "
-                         "numeric feature)")
+                         "not a finite number in float32 (a magnitude below 3.4e38; every "
+                         "column but user, split and label is a numeric feature)")
     return values
 
 
@@ -162,8 +168,7 @@ def _arrow_finds_all_finite(path: Path, features: tuple[str, ...]) -> bool:
                 include_columns=list(features)))
         for batch in reader:
             for column in batch.columns:
-                if column.null_count or not np.isfinite(
-                        column.to_numpy(zero_copy_only=False)).all():
+                if column.null_count or not _finite32(column.to_numpy(zero_copy_only=False)):
                     return False
     except (pa.ArrowException, ValueError, OSError):
         return False
@@ -171,16 +176,30 @@ def _arrow_finds_all_finite(path: Path, features: tuple[str, ...]) -> bool:
 
 
 def _finite(text: str) -> bool:
+    """Whether a cell parses as a number that is finite in float32."""
     try:
-        return math.isfinite(float(text))
+        return abs(float(text)) < F32_OVERFLOW
     except ValueError:
         return False
 
 
-@lru_cache(maxsize=4)
+def _finite32(values: np.ndarray) -> bool:
+    """Whether every value is finite once held as float32."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.asarray(values).astype(np.float32)).all())
+
+
 def check_features(path: Path, fmt: str) -> None:
     """Raise a ``TableError`` naming the place of the first feature that is not a finite
-    number, reading the whole file once and keeping none of it (cached per process)."""
+    number in float32, reading the whole file once and keeping none of it (a pass is cached
+    per process, while the file keeps its size and modification time)."""
+    _check_file(path, fmt)
+    state = path.stat()
+    _checked_features(path, fmt, state.st_size, state.st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _checked_features(path: Path, fmt: str, _size: int, _mtime_ns: int) -> None:
     columns = table_columns(path, fmt)
     if fmt == "csv":
         if _arrow_finds_all_finite(path, columns.features):
@@ -189,7 +208,7 @@ def check_features(path: Path, fmt: str) -> None:
             reader = csv.reader(fh)
             header = next(reader)
             keep = [header.index(name) for name in columns.features]
-            for line, row in enumerate(reader, start=2):
+            for line, row in _records(reader):
                 _parse_features(row, keep, path, line)
         return
     import pyarrow as pa
@@ -207,11 +226,20 @@ def check_features(path: Path, fmt: str) -> None:
         table = source.read_row_group(group, columns=names)
         for name in names:
             column = table.column(name)
-            values = column.to_numpy(zero_copy_only=False).astype(np.float64)
-            if column.null_count or not np.isfinite(values).all():
+            if column.null_count or not _finite32(column.to_numpy(zero_copy_only=False)):
                 raise TableError(f"data-file: {path}: feature column {name!r} holds a missing "
                                  "or non-finite value (row group "
-                                 f"{group}); every feature must be a finite number")
+                                 f"{group}); every feature must be a finite number in float32 "
+                                 "(magnitude below 3.4e38)")
+
+
+def _records(reader) -> Iterator[tuple[int, list[str]]]:
+    """(the file line a record starts on, the record) after the header: a quoted field may hold
+    line breaks, so records and lines differ."""
+    start = reader.line_num + 1
+    for row in reader:
+        yield start, row
+        start = reader.line_num + 1
 
 
 def _locate(path: Path, header: list[str]) -> dict[str, int]:
@@ -246,12 +274,12 @@ def _csv_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) -> Non
         header = next(reader)
         keep = [header.index(name) for name in columns.features]
         k = 0
-        for row_number, row in enumerate(reader):
+        for row_number, (line, row) in enumerate(_records(reader)):
             if k == len(wanted):
                 break
             if row_number != wanted[k]:
                 continue
-            out[k] = _parse_features(row, keep, columns.path, row_number + 2)
+            out[k] = _parse_features(row, keep, columns.path, line)
             k += 1
 
 
@@ -264,8 +292,9 @@ def _parquet_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) ->
     for group in np.unique(group_of):
         table = source.read_row_group(int(group), columns=list(columns.features))
         try:
-            block = np.column_stack([table.column(name).to_numpy(zero_copy_only=False)
-                                     for name in columns.features]).astype(np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+                block = np.column_stack([table.column(name).to_numpy(zero_copy_only=False)
+                                         for name in columns.features]).astype(np.float32)
         except (TypeError, ValueError):
             raise TableError(f"data-file: {columns.path}: feature columns must be "
                              "numeric") from None

@@ -96,7 +96,8 @@ class CheckpointStore:
     def close(self) -> None:
         """Release the lock (a process that dies releases it too). Where no checkpoint is left
         (a run refused before its first step, or one that ended), its lock file goes too,
-        removed while still held so that no other server can be holding that file."""
+        removed while still held (``checkpoint.lock`` takes a lock only on the file that is at
+        the path, so a server that opened the removed one tries again)."""
         if self._lock is not None:
             if self.path is not None and not self.path.exists():
                 self.path.with_name(self.path.name + ".lock").unlink(missing_ok=True)
