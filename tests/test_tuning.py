@@ -25,7 +25,7 @@ from fedpriv.privacy.selection import (
     tnb_mean,
 )
 from fedpriv.tuning.budget import calibrate_tuning, total_epsilon
-from fedpriv.tuning.run import draw_candidates, run_tuning
+from fedpriv.tuning.run import draw_candidates, run_tuning, table_lines
 from fedpriv.tuning.spec import load_tune
 
 
@@ -453,3 +453,69 @@ def test_a_flower_tuning_shares_one_superlink_and_matches_in_process(tmp_path, f
     assert flower["winner"]["candidate"] == local["winner"]["candidate"]
     # a candidate's own release file is not left behind (only the winner's is written)
     assert not list((tmp_path / "flower" / "candidates").glob("*.release.json"))
+
+
+# ----- deep models: validation rows held back from the users' training rows ----------------
+def test_held_back_rows_are_a_seeded_per_user_split_of_the_training_rows():
+    from fedpriv.algorithms.deep.problem import held_back
+    from fedpriv.data.partition import Rows
+
+    train = Rows.from_lists([np.arange(10, 16), np.arange(20, 23), np.arange(30, 40)])
+    kept, held = held_back(train, 2, seed=4)
+    assert list(held.counts) == [2, 2, 2] and list(kept.counts) == [4, 1, 8]
+    for u in range(3):
+        mine = set(train.rows[train.offsets[u]:train.offsets[u + 1]].tolist())
+        k = kept.rows[kept.offsets[u]:kept.offsets[u + 1]].tolist()
+        h = set(held.rows[held.offsets[u]:held.offsets[u + 1]].tolist())
+        assert set(k) | h == mine and not set(k) & h  # a split of the user's own rows
+        assert k == sorted(k)  # the rows trained on keep their order
+    again, other = held_back(train, 2, seed=4), held_back(train, 2, seed=5)
+    assert np.array_equal(again[1].rows, held.rows)  # nodes agree
+    assert not np.array_equal(other[1].rows, held.rows)
+
+
+def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
+    from fedpriv.algorithms.deep.problem import problem_of, user_block
+
+    keys = {"algorithm": "deep-private-fedrep", "num-users": 100, "rounds": 2,
+            "checkpoint": False, "private-metrics": True, "validation-samples-per-user": 3}
+    val = RunConfig.from_mapping({**keys, "metrics-split": "validation"})
+    test = RunConfig.from_mapping(keys)
+    full, held = problem_of(test), problem_of(val)
+    assert held.validation is not None and full.validation is None
+    assert np.array_equal(held.users.train.counts, full.users.train.counts - 3)
+    assert np.array_equal(held.users.test.rows, full.users.test.rows)
+    ids = np.arange(100)
+    trained = user_block(held, ids).x
+    scored = user_block(held, ids, "validation")
+    assert scored.counts.tolist() == [3] * 100
+    for u in range(0, 100, 17):  # held-back images are none of the user's training images
+        rows = trained[u, :held.users.train.counts[u]].reshape(held.users.train.counts[u], -1)
+        for image in scored.x[u].reshape(3, -1):
+            assert not (rows == image).all(1).any()
+    results = run_in_process(val, log=lambda _: None)
+    assert set(results["private_metrics"]) == {"validation_error"}
+    assert 0.0 <= results["private_metrics"]["validation_error"]["exact_clipped"] <= 1.0
+    assert "accuracy" in results["metrics"]  # the reported metrics stay the test rows'
+    smallest = int(full.users.train.counts.min())
+    with pytest.raises(ConfigError, match=f"validation-samples-per-user: user .* has {smallest} "
+                                          f"training rows; holding back {smallest - 1}"):
+        RunConfig.from_mapping({**keys, "metrics-split": "validation",
+                                "validation-samples-per-user": smallest - 1})
+
+
+def test_a_deep_algorithm_is_tuned_on_its_held_back_rows(tmp_path):
+    path = tmp_path / "tune.toml"
+    path.write_text('algorithm = "deep-private-fedrep"\nnum-users = 100\nrounds = 2\n'
+                    'validation-samples-per-user = 3\n\n[tune]\nname = "deep"\nepsilon = 2.0\n'
+                    'delta = 1e-5\nmethod = "compose-all"\nsearch = "grid"\n'
+                    'score = "validation_error"\nseed = 0\n\n[tune.space]\n'
+                    'learning-rate = [0.25, 1.0]\n')
+    report = run_tuning(load_tune(path), tmp_path / "out", log=lambda _: None)
+    scores = [c["score"] for c in report["candidates"]]
+    assert len(scores) == 2 and report["winner"]["candidate"] == int(np.argmin(scores))
+    winner = json.loads((tmp_path / "out" / "winner.json").read_text())
+    assert winner["privacy"]["tuning"]["included"]
+    assert winner["privacy"]["epsilon"] == pytest.approx(2.0, abs=1e-3)  # the whole tuning
+    assert "private validation_error | accuracy (exact)" in "\n".join(
+        table_lines(report, "validation_error"))

@@ -25,9 +25,11 @@ TEST_SAMPLES = Param("test-samples-per-user", int, 10, "fresh test points per us
                      "`test_mse` (meta-learning: per fresh task, for `transfer_risk`)",
                      lambda x: x >= 1, "an integer >= 1")
 VALIDATION_SAMPLES = Param("validation-samples-per-user", int, 10, "held-back validation points "
-                           "per user (a stream of their own, never trained on): what "
-                           "`metrics-split = \"validation\"` evaluates, and `fedpriv tune` "
-                           "scores candidates on", lambda x: x >= 1, "an integer >= 1")
+                           "per user, never trained on (synthetic data: a stream of their own; "
+                           "real data: rows held back from the user's training rows, only "
+                           "with `metrics-split = \"validation\"`): what that split evaluates, "
+                           "and `fedpriv tune` scores candidates on", lambda x: x >= 1,
+                           "an integer >= 1")
 
 # ----- gradient rounds --------------------------------------------------------------------------
 LEARNING_RATE = Param("learning-rate", float, 1.0, "server step size eta", positive,

@@ -267,11 +267,17 @@ def table_lines(report: dict[str, Any], score: str, maximize: bool = False,
     """The candidates as a Markdown table (best first)."""
     rows = sorted(report["candidates"], key=ranking(maximize))
     keys = list(report["space"])
-    head = ["#", *keys, f"private {score}", "population_mse"]
+    # the family's headline metric, exact (operator only): the linear MSE, a deep model's
+    # test accuracy, a meta-learner's transfer risk
+    shown = [m for m in HEADLINE_METRICS if any(m in r for r in rows)][:1]
+    head = ["#", *keys, f"private {score}", *(f"{m} (exact)" for m in shown)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows[:limit]:
         cells = [str(r["candidate"]), *(f"{r[k]:g}" if isinstance(r[k], float) else str(r[k])
                                         for k in keys),
-                 f"{r['score']:.4g}", f"{r.get('population_mse', float('nan')):.4g}"]
+                 f"{r['score']:.4g}", *(f"{r.get(m, float('nan')):.4g}" for m in shown)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+HEADLINE_METRICS = ("population_mse", "accuracy", "test_accuracy", "transfer_risk")

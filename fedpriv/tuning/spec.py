@@ -27,7 +27,8 @@
 The space is finite (a range is ``num`` points, evenly spaced, or log-spaced with ``log = true``;
 integer keys are rounded), so each point's privacy plan can be calibrated before anything runs.
 Every candidate runs with ``private-metrics = true`` and ``metrics-split = "validation"``: its
-final step releases the noisy mean of its users' clipped validation losses, the score. The keys
+final step releases the noisy mean of its users' clipped validation losses (a deep model's:
+error rates on training rows held back, ``fedpriv.algorithms.deep.problem``), the score. The keys
 the tuning sets itself (``epsilon``, ``delta``, ``private-metrics``, ``metrics-split``,
 ``noise-seed``, ``results-path``, ``checkpoint``, ``resume``) cannot be in the space or the base
 (a ``results-path`` in the base is ignored); neither can ``seed``, ``num-users``,

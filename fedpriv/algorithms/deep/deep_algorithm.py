@@ -363,10 +363,12 @@ class DeepAlgorithm(Algorithm):
 
     @classmethod
     def final_scores(cls, config: Any, problem: DeepProblem, model: torch.Tensor,
-                     ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each user's test accuracy and loss after its final fit, and its test rows."""
+                     ids: np.ndarray, split: str = "test"
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each user's accuracy and loss on its ``split`` rows (``test``, or ``validation``:
+        the training rows held back) after its final fit, and how many rows it has there."""
         spec = problem.spec
-        train, test = user_block(problem, ids, "train"), user_block(problem, ids, "test")
+        train, test = user_block(problem, ids, "train"), user_block(problem, ids, split)
         n, r = test.y.shape
         if cls.final_fit == "none":
             logits = functional_logits(spec, model, test.x.reshape(n * r, *spec.input_shape))
@@ -389,12 +391,15 @@ class DeepAlgorithm(Algorithm):
     # ----- private evaluation (private-metrics; fedpriv.evaluation) ---------------------------
     @staticmethod
     def evaluation_bounds(config: Any) -> dict[str, float]:
-        """Each user's test error rate, in [0, 1] (a user without test rows counts 1)."""
-        return {"test_error": 1.0}
+        """Each user's error rate on its test rows (``test_error``) or, with metrics-split =
+        "validation", on its held-back training rows (``validation_error``: what ``fedpriv
+        tune`` scores candidates on), in [0, 1] (a user without such rows counts 1)."""
+        return {f"{config.metrics_split}_error": 1.0}
 
     @classmethod
     def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
+        split = config.metrics_split
         problem = problem_of(config)
         model = torch.from_numpy(np.asarray(arrays["model"], dtype=np.float32)).to(
             problem.device)
@@ -403,16 +408,18 @@ class DeepAlgorithm(Algorithm):
         with torch.no_grad():
             for start in range(0, len(user_ids), size):
                 acc, _, seen = cls.final_scores(config, problem, model,
-                                                user_ids[start:start + size])
+                                                user_ids[start:start + size], split)
                 errors.append(np.where(seen > 0, 1.0 - acc, 1.0))
-        return {"test_error": np.concatenate(errors) if errors else np.zeros(0)}
+        return {f"{split}_error": np.concatenate(errors) if errors else np.zeros(0)}
 
 
 def _final_chunk(config: Any, problem: DeepProblem, user_ids: np.ndarray) -> int:
-    """Users per chunk of the final fit and evaluation (their training and test rows)."""
+    """Users per chunk of the final fit and evaluation (their training rows, and their test
+    or held-back validation rows)."""
     train = int(problem.users.train.counts[user_ids].max(initial=1))
-    return chunk_users(problem, train + int(problem.users.test.counts.max(initial=1)), 0,
-                       config.chunk_mb)
+    scored = max(int(problem.users.test.counts.max(initial=1)),
+                 0 if problem.validation is None else int(problem.validation.counts.max()))
+    return chunk_users(problem, train + scored, 0, config.chunk_mb)
 
 
 def functional_logits(spec: Any, model: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedpriv.algorithms.shared_params import CLIP_NORM, CLIPPING, LEARNING_RATE
+from fedpriv.algorithms.shared_params import (
+    CLIP_NORM,
+    CLIPPING,
+    LEARNING_RATE,
+    VALIDATION_SAMPLES,
+)
 from fedpriv.data.partition import SCHEMES
 from fedpriv.data.sources import SOURCES
 from fedpriv.data.tables import TABLE_FORMATS
@@ -80,6 +85,7 @@ DATA = ParamGroup("deep data", (
           "a table's 784 feature columns as one-channel 28 x 28 images, for `model = \"cnn\"`); "
           "`\"\"` = as the data holds it. Its product must equal the data's feature count",
           _sizes_ok, "\"\" or comma-separated integers > 0"),
+    VALIDATION_SAMPLES,
 ), _check_data)
 
 

@@ -4,6 +4,12 @@
 (``fedpriv.data.partition``, a pure function of the seed and keys: every node computes the same
 one) and the model (``models.ModelSpec``). ``user_block`` gathers a set of users' rows as padded
 tensors with a mask, which is what the vectorized math (``deep_math``) reads.
+
+With ``metrics-split = "validation"`` (what ``fedpriv tune`` runs its candidates with) each
+user's training rows lose ``validation-samples-per-user`` rows, held back for validation
+(``held_back``: a seeded choice within each user, so every node holds back the same rows): the
+run never trains on them, and its private evaluation scores the users' error on them. A run
+with the default ``"test"`` split holds nothing back, so the figures' runs are unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 from fedpriv.algorithms.deep.models import ModelSpec, model_spec
 from fedpriv.algorithms.deep.params import data_part, sizes
 from fedpriv.cohorts import partition_users
-from fedpriv.data.partition import Partition, PartitionError, partition
+from fedpriv.data.partition import Partition, PartitionError, Rows, partition
 from fedpriv.data.sources import DatasetError, Source, load_source, table_source
 from fedpriv.data.tables import TABLE_FORMATS
 from fedpriv.params import ConfigError
@@ -29,10 +35,33 @@ MAX_AUTO_BATCH = 32
 @dataclass(frozen=True, eq=False)
 class DeepProblem:
     source: Source
-    users: Partition
+    users: Partition  # with metrics-split = "validation": training rows less those held back
     spec: ModelSpec
     batch_size: int
     device: torch.device
+    validation: Rows | None = None  # rows of the train split held back, never trained on
+
+
+_VALIDATION_PURPOSE = 0x56414C  # "VAL": the hold-back's own stream, apart from the partition's
+
+
+def held_back(train: Rows, per_user: int, seed: int) -> tuple[Rows, Rows]:
+    """Each user's training rows split into (rows trained on, ``per_user`` rows held back for
+    validation): a seeded random choice within each user (a pure function of the seed and
+    the partition, so nodes agree), the rest kept in their order."""
+    counts = train.counts
+    user_of = np.repeat(np.arange(len(counts)), counts)
+    keys = np.random.default_rng([seed, _VALIDATION_PURPOSE]).random(len(train.rows))
+    order = np.lexsort((keys, user_of))  # each user's rows by key, users in turn
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order)) - train.offsets[user_of[order]]
+    held = rank < per_user
+    kept_counts = counts - np.minimum(counts, per_user)
+    held_rows = train.rows[order[held[order]]]  # grouped by user, in key order
+    return (Rows(np.concatenate([[0], np.cumsum(kept_counts)]).astype(np.int64),
+                 train.rows[~held]),
+            Rows(np.concatenate([[0], np.cumsum(counts - kept_counts)]).astype(np.int64),
+                 held_rows))
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,10 +97,11 @@ def problem_of(config: Any, features: bool = True) -> DeepProblem:
     features of the rows of node partition i's users."""
     part = "none" if not features else (
         config.data_part if config.dataset in TABLE_FORMATS else "")
+    hold = config.validation_samples_per_user if config.metrics_split == "validation" else 0
     key = (config.dataset, config.data_dir, config.data_file, config.partition,
            config.num_users, config.seed, config.classes_per_user, config.dirichlet_alpha,
            config.model, config.hidden_sizes, config.local_batch_size, config.device, part,
-           config.input_shape)
+           config.input_shape, hold)
     return _problem(key)
 
 
@@ -104,7 +134,7 @@ def _source(dataset: str, data_dir: str, data_file: str, part: str,
 @lru_cache(maxsize=4)
 def _problem(key: tuple) -> DeepProblem:
     (dataset, data_dir, data_file, scheme, num_users, seed, classes, alpha, model, hidden,
-     batch, device, part, shape) = key
+     batch, device, part, shape, hold) = key
     try:
         # the partition needs the labels and user ids only: read those first
         labels = load_source(dataset, data_dir, data_file, features=False)
@@ -113,6 +143,16 @@ def _problem(key: tuple) -> DeepProblem:
     except (DatasetError, PartitionError) as err:
         raise ConfigError(str(err)) from None
     spec = model_spec(model, hidden, source.input_shape, source.num_classes)
+    validation = None
+    if hold:  # after the source: a node has read every training row of its users
+        counts = users.train.counts
+        if int(counts.min()) < hold + 2:
+            user = int(np.argmin(counts))
+            raise ConfigError(f"validation-samples-per-user: user {user} has {int(counts.min())}"
+                              f" training rows; holding back {hold} for validation must leave "
+                              "at least 2 (two disjoint batches)")
+        train, validation = held_back(users.train, hold, seed)
+        users = Partition(train, users.test)
     counts = users.train.counts
     smallest = int(counts.min())
     b = min(MAX_AUTO_BATCH, smallest // 2) if batch == "max" else int(batch)
@@ -121,12 +161,19 @@ def _problem(key: tuple) -> DeepProblem:
         raise ConfigError(f"local-batch-size: user {user} has {smallest} training rows; two "
                           f"disjoint batches of {max(b, 1)} need {2 * max(b, 1)} (fewer users, "
                           "another partition or a smaller local-batch-size)")
-    return DeepProblem(source, users, spec, b, resolve_device(device))
+    return DeepProblem(source, users, spec, b, resolve_device(device), validation)
 
 
 def user_block(problem: DeepProblem, user_ids: np.ndarray, split: str = "train") -> UserBlock:
-    """The users' rows of ``split`` as padded tensors on the problem's device."""
-    rows_of = problem.users.train if split == "train" else problem.users.test
+    """The users' rows of ``split`` (``train``, ``test``, or ``validation``: the training rows
+    held back with metrics-split = "validation") as padded tensors on the problem's device."""
+    if split == "validation":
+        if problem.validation is None:
+            raise ValueError("validation rows are held back only with metrics-split = "
+                             "\"validation\"")
+        rows_of, split = problem.validation, "train"  # they are rows of the train split
+    else:
+        rows_of = problem.users.train if split == "train" else problem.users.test
     y_all = problem.source.y_train if split == "train" else problem.source.y_test
     ids = np.asarray(user_ids, dtype=np.int64)
     rows, counts = rows_of.padded(ids)
