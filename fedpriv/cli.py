@@ -109,8 +109,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out or Path("results") / "sweeps" / spec.name).expanduser().resolve()
     jobs = args.jobs if args.jobs > 0 else (os.cpu_count() or 1)
-    rows = sweep.run_sweep(spec, out, jobs=1 if args.engine == "flower" else jobs,
-                           engine=args.engine, log=lambda line: print(line, flush=True))
+    try:
+        rows = sweep.run_sweep(spec, out, jobs=1 if args.engine == "flower" else jobs,
+                               engine=args.engine, log=lambda line: print(line, flush=True))
+    except ConfigError as err:  # what only a run can show (a metric the runs do not report)
+        print(f"fedpriv: sweep stopped: {err}", file=sys.stderr)
+        return 2
     csv_path, json_path = sweep.write_table(rows, out)
     figure = sweep_figure.plot(spec, rows, out / "figure.png")
     print(sweep.markdown_table(rows, spec))
@@ -180,8 +184,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
         config = RunConfig.from_mapping(load_run_config(args.config, args.set or []),
                                         strict=True)
         check_plan(config)
-        if args.trials < 100 or not 0 < args.alpha < 1 or not args.noise_scale > 0:
-            raise ConfigError("--trials must be >= 100, --alpha in (0, 1), --noise-scale > 0")
+        for bad, message in ((args.trials < 100, f"--trials: {args.trials}; at least 100"),
+                             (not 0 < args.alpha < 1, f"--alpha: {args.alpha}; in (0, 1)"),
+                             (not args.noise_scale > 0,
+                              f"--noise-scale: {args.noise_scale}; above 0")):
+            if bad:
+                raise ConfigError(message)
     except (ConfigError, InfeasiblePlanError) as err:
         print(f"fedpriv: invalid audit: {err}", file=sys.stderr)
         return 2
@@ -243,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     au = sub.add_parser("audit", help="empirical lower bound on the epsilon of one release")
     au.add_argument("config", nargs="?", help="run-config TOML (flat kebab-case keys)")
     au.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
-    au.add_argument("--trials", type=int, default=20000, help="trials per population")
+    au.add_argument("--trials", type=int, default=20000,
+                    help="trials per population (default 20000, at least 100)")
     au.add_argument("--alpha", type=float, default=0.05,
                     help="1 - confidence of the lower bound (default 0.05)")
     au.add_argument("--noise-scale", type=float, default=1.0,

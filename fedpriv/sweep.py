@@ -132,8 +132,12 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
     set_by_sweep = _SET_BY_SWEEP + (() if x_key == "epsilon" else (x_key,))
     base = {**raw.get("base", {}), **(overrides or {})}
     _check_base_keys(base, [entry.get("algorithm") for entry in raw.get("series") or []
-                            if isinstance(entry, dict)])
+                            if isinstance(entry, dict)], set(overrides or {}))
     for key in set_by_sweep:
+        if key in (overrides or {}):
+            raise ConfigError(f"--set {key}: set by the sweep itself ([sweep] epsilons and "
+                              "seeds, each [[series]]'s algorithm, the x-axis key); change it "
+                              "in the file")
         if key in base:
             raise ConfigError(f"[base] {key}: set by the sweep itself; remove it from [base]")
     series = raw.get("series")
@@ -232,9 +236,10 @@ def _x_axis(sweep: dict[str, Any]) -> tuple[str, list[Any]]:
     return x_key, sorted(x_values)
 
 
-def _check_base_keys(base: dict[str, Any], algorithms: list[Any]) -> None:
-    """A [base] key must be read by the algorithm of at least one series (or be a core key):
-    a key nobody reads is a typo."""
+def _check_base_keys(base: dict[str, Any], algorithms: list[Any],
+                     overridden: set[str] | frozenset[str] = frozenset()) -> None:
+    """A [base] (or ``--set``) key must be read by the algorithm of at least one series (or be
+    a core key): a key nobody reads is a typo."""
     from fedpriv.config import algorithm_params
 
     read = set(default_mapping())
@@ -246,8 +251,9 @@ def _check_base_keys(base: dict[str, Any], algorithms: list[Any]) -> None:
                 pass  # the unknown algorithm is reported with its series
     unread = sorted(set(base) - read)
     if unread:
-        raise ConfigError(f"[base]: key(s) {unread} are read by none of the series' algorithms "
-                          "(`fedpriv algorithms` lists each algorithm's keys)")
+        where = "--set" if set(unread) <= set(overridden) else "[base]"
+        raise ConfigError(f"{where}: key(s) {unread} are read by none of the series' "
+                          "algorithms (`fedpriv algorithms` lists each algorithm's keys)")
 
 
 def _config(where: str, values: dict[str, Any]) -> RunConfig:
@@ -327,6 +333,10 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         log(f"[{done:>{len(str(total))}}/{total}] {run.series:<28} eps={eps}{at} "
             f"seed={run.seed}  {spec.metric} {shown}  ({res['wall_time_s']:.1f}s; elapsed "
             f"{_clock(elapsed)}, ETA {_clock(eta)})")
+        if value is None:  # the table needs it from every run: stop now, not at the end
+            raise ConfigError(f"[sweep] metric: {spec.metric!r} is not reported by "
+                              f"{run.series!r}, which reports {sorted(res['metrics'])}; the "
+                              "runs finished so far are kept and reused by the next sweep")
 
     if engine == "flower" and todo:
         from fedpriv.launcher import FlowerSession
@@ -351,10 +361,14 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         with ProcessPoolExecutor(max_workers=jobs,
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(_run_one, run.values, str(path)): run for run, path in todo}
-            for future in as_completed(futures):
-                run = futures[future]
-                results[run] = future.result()
-                report(run, results[run])
+            try:
+                for future in as_completed(futures):
+                    run = futures[future]
+                    results[run] = future.result()
+                    report(run, results[run])
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # the runs not started: dropped
+                raise
     log(f"fedpriv sweep {spec.name}: finished in {_clock(time.perf_counter() - started)}")
     return summarize(spec, results)
 

@@ -41,4 +41,8 @@ def test_fedpriv_audit_command(capsys):
     assert "empirical epsilon >=" in capsys.readouterr().out
     assert main(["audit", "--set", "num-users=600", "--set", "dim=10", "--set", "epsilon=4",
                  "--trials", "2000", "--noise-scale", "0.05"]) == 1
+    capsys.readouterr()
     assert main(["audit", "--trials", "5"]) == 2
+    assert "--trials: 5; at least 100" in capsys.readouterr().err
+    assert main(["audit", "--alpha", "1.5"]) == 2
+    assert "--alpha: 1.5; in (0, 1)" in capsys.readouterr().err

@@ -98,6 +98,28 @@ def test_bad_sweeps_fail_before_any_run_naming_the_problem(tmp_path, change, mes
     assert not out.exists()
 
 
+@pytest.mark.parametrize("item,message", [
+    ("epsilon=3", "--set epsilon: set by the sweep itself"),
+    ("seed=4", "--set seed: set by the sweep itself"),
+    ("head-step=3", r"--set: key\(s\) \['head-step'\] are read by none"),
+])
+def test_a_bad_set_item_is_named_as_one(tmp_path, item, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(write(tmp_path, SWEEP), {item.split("=")[0]: int(item.split("=")[1])})
+
+
+def test_a_metric_the_runs_do_not_report_stops_the_sweep_at_the_first_run(tmp_path, capsys):
+    path = write(tmp_path, SWEEP.replace('title = "a tiny sweep"',
+                                         'title = "a tiny sweep"\nmetric = "populaton_mse"'))
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--jobs", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "[1/8]" in captured.out and "[2/8]" not in captured.out
+    assert "sweep stopped: [sweep] metric: 'populaton_mse' is not reported by" in captured.err
+    assert "'population_mse'" in captured.err and "Traceback" not in captured.err
+    assert len(list((out / "runs").glob("*.json"))) == 1  # kept, for the corrected sweep
+
+
 def test_summary_statistics_over_seeds():
     from fedpriv.sweep import Run, SweepSpec
 
