@@ -265,11 +265,13 @@ def _config(where: str, values: dict[str, Any]) -> RunConfig:
 
 # ----- running -----------------------------------------------------------------------------
 def _run_one(values: dict[str, Any], path: str) -> dict:
-    """Worker: one in-process run, written atomically to ``path``."""
-    from fedpriv.engine import run_in_process, write_results
+    """Worker: one in-process run, its operator report written atomically to ``path`` and its
+    release beside it (as a Flower run's ServerApp writes them)."""
+    from fedpriv.engine import run_in_process
+    from fedpriv.outputs import write_outputs
 
     results = run_in_process(RunConfig.from_mapping(values), log=lambda _: None)
-    write_results(results, path)
+    write_outputs(results, path)
     return results
 
 

@@ -394,7 +394,7 @@ def test_a_sweep_against_the_number_of_tasks(tmp_path):
     assert rows[3]["transfer_risk_mean"] < rows[4]["transfer_risk_mean"]
     assert all(r["epsilon_spent_max"] <= r["epsilon"] for r in rows[:4])
     assert (out / "figure.png").read_bytes()[:4] == b"\x89PNG"
-    assert len(list((out / "runs").glob("*.json"))) == 6
+    assert len(list((out / "runs").glob("*.release.json"))) == 6
 
 
 @pytest.mark.parametrize("change,message", [

@@ -56,8 +56,12 @@ def test_a_sweep_writes_table_and_figure_and_reuses_finished_runs(tmp_path, caps
     assert [(r["series"], r["epsilon"]) for r in rows] == [
         ("Private FedRep", 2.0), ("Private FedRep", 8.0), ("Local only", None),
         ("FedRep (non-private, no clipping)", None)]
-    runs = sorted((out / "runs").glob("*.json"))
+    runs = sorted(p for p in (out / "runs").glob("*.json") if ".release." not in p.name)
     assert len(runs) == 8  # 2 epsilons x 2 seeds + 2 epsilon-free series x 2 seeds
+    for run in runs:  # every run's release beside its operator report, as Flower's
+        release = json.loads(run.with_name(run.stem + ".release.json").read_text())
+        assert "ledger" in release["privacy"] and "server_state" not in release
+        assert json.loads(run.read_text())["document"].startswith("fedpriv OPERATOR REPORT")
     fedrep_2 = [json.loads(p.read_text()) for p in runs if "private-fedrep__eps-2__" in p.name]
     values = [r["metrics"]["population_mse"] for r in fedrep_2]
     assert rows[0]["population_mse_mean"] == pytest.approx(sum(values) / 2)
@@ -117,7 +121,7 @@ def test_a_metric_the_runs_do_not_report_stops_the_sweep_at_the_first_run(tmp_pa
     assert "[1/8]" in captured.out and "[2/8]" not in captured.out
     assert "sweep stopped: [sweep] metric: 'populaton_mse' is not reported by" in captured.err
     assert "'population_mse'" in captured.err and "Traceback" not in captured.err
-    assert len(list((out / "runs").glob("*.json"))) == 1  # kept, for the corrected sweep
+    assert len(list((out / "runs").glob("*.release.json"))) == 1  # kept, for reuse
 
 
 def test_summary_statistics_over_seeds():
