@@ -1,8 +1,9 @@
 """``fedpriv`` command line, the top of the package: it imports the commands, nothing imports it.
 
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
-                [--resume] [--ray-address HOST:PORT]
+                [--resume] [--keep-superlink] [--ray-address HOST:PORT]
     fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
+                [--engine inprocess|flower]
     fedpriv tune CONFIG.toml [--set key=value ...] [--out DIR] [--engine inprocess|flower]
     fedpriv audit [CONFIG.toml] [--set key=value ...] [--trials N] [--alpha A] [--noise-scale S]
     fedpriv algorithms [NAME] [--verbose | --markdown | --flwr-config]

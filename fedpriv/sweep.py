@@ -9,7 +9,8 @@
     # x = "num-users"                       # optional: plot against this run-config key ...
     # x-values = [500, 2000, 10000]         # ... at these values, one curve per (series, eps)
     # x-label = "number of tasks K"         # optional axis label (default: the key)
-    # log-y = false                         # linear metric axis (default: log scale)
+    # log-y = false                         # linear metric axis (default: log scale, but
+                                            #   linear for an accuracy, bounded in [0, 1])
     # subtitle = "d=30, ..."                # optional second title line
 
     [base]                                  # run-config keys shared by every run
@@ -144,7 +145,7 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
     if not isinstance(series, list) or not series:
         raise ConfigError(f"{path}: needs at least one [[series]] with label and algorithm")
     runs: list[Run] = []
-    labels: set[str] = set()
+    labels: dict[str, str] = {}  # slug -> label
     for i, entry in enumerate(series):
         where = f"[[series]] #{i + 1}"
         bad = sorted(set(entry) - {"label", "algorithm", "set"})
@@ -154,8 +155,12 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
             raise ConfigError(f"{where}: missing 'algorithm'")
         label = str(entry.get("label", entry["algorithm"]))
         if _slug(label) in labels:
-            raise ConfigError(f"{where}: duplicate label {label!r}")
-        labels.add(_slug(label))
+            same = labels[_slug(label)]
+            raise ConfigError(f"{where}: duplicate label {label!r}" if same == label else
+                              f"{where}: label {label!r} names the same run files as "
+                              f"{same!r} ({_slug(label)}); make them differ in a letter or "
+                              "digit")
+        labels[_slug(label)] = label
         extra = entry.get("set", {})
         if not isinstance(extra, dict):
             raise ConfigError(f"{where} set: expected a table of run-config keys")
@@ -204,7 +209,7 @@ def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None)
                      base, series, runs, source, metric, x_key,
                      [float(v) for v in x_values], None if subtitle is None else str(subtitle),
                      str(sweep["x-label"]) if "x-label" in sweep else None,
-                     _flag(sweep, "log-y", True))
+                     _flag(sweep, "log-y", "accuracy" not in metric))
 
 
 def _flag(sweep: dict[str, Any], key: str, default: bool) -> bool:

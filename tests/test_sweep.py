@@ -124,6 +124,21 @@ def test_a_metric_the_runs_do_not_report_stops_the_sweep_at_the_first_run(tmp_pa
     assert len(list((out / "runs").glob("*.release.json"))) == 1  # kept, for reuse
 
 
+def test_labels_that_name_the_same_files_are_refused_saying_so(tmp_path):
+    text = SWEEP.replace('label = "Local only"', 'label = "Private-FedRep"')
+    with pytest.raises(ConfigError, match="label 'Private-FedRep' names the same run files as "
+                                          "'Private FedRep'"):
+        load_sweep(write(tmp_path, text))
+
+
+def test_an_accuracy_axis_is_linear_unless_the_file_says_otherwise(tmp_path):
+    assert load_sweep(write(tmp_path, SWEEP)).log_y  # an MSE: log scale
+    text = SWEEP.replace('title = "a tiny sweep"', 'title = "t"\nmetric = "accuracy"')
+    assert not load_sweep(write(tmp_path, text, "acc.toml")).log_y
+    forced = text.replace('metric = "accuracy"', 'metric = "accuracy"\nlog-y = true')
+    assert load_sweep(write(tmp_path, forced, "forced.toml")).log_y
+
+
 def test_summary_statistics_over_seeds():
     from fedpriv.sweep import Run, SweepSpec
 

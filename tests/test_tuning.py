@@ -519,3 +519,14 @@ def test_a_deep_algorithm_is_tuned_on_its_held_back_rows(tmp_path):
     assert winner["privacy"]["epsilon"] == pytest.approx(2.0, abs=1e-3)  # the whole tuning
     assert "private validation_error | accuracy (exact)" in "\n".join(
         table_lines(report, "validation_error"))
+
+
+def test_a_key_the_algorithm_does_not_read_is_named_by_its_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"^base: key\(s\) \['learnig-rate'\] are not keys of "
+                                          "private-fedrep"):
+        load_tune(write(tmp_path, extra="learnig-rate = 0.5\n"))
+    with pytest.raises(ConfigError, match=r"^\[tune.space\] head-steps: not a key of "
+                                          "private-fedrep"):
+        load_tune(write(tmp_path), ["tune.space.head-steps=[10, 20]"])
+    with pytest.raises(ConfigError, match=r"^base: key\(s\) \['cross-fit'\]"):
+        load_tune(write(tmp_path), ["cross-fit=2"])

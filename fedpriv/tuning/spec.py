@@ -143,6 +143,7 @@ def load_tune(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
     if fixed:
         raise ConfigError(f"{fixed}: set by the tuning for each candidate (the target is "
                           "[tune] epsilon/delta); remove them from the base")
+    _check_base(base, set(given) | set(base_sets), base["algorithm"])
     space = _space(tune["space"], base["algorithm"])
     points = tuple(dict(zip(space, combo, strict=True))
                    for combo in itertools.product(*space.values()))
@@ -202,16 +203,33 @@ def load_tune(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
     return spec
 
 
+def _check_base(base: dict[str, Any], given: set[str], algorithm: str) -> None:
+    """A key the file (or ``--set``) gives that the algorithm does not read is named as the
+    base's, before any candidate is parsed."""
+    try:
+        read = set(default_mapping()) | set(algorithm_params(algorithm))
+    except ConfigError:
+        return  # the unknown algorithm is reported when the points are parsed
+    unread = sorted(k for k in given if k in base and k not in read)
+    if unread:
+        raise ConfigError(f"base: key(s) {unread} are not keys of {algorithm} (`fedpriv "
+                          f"algorithms {algorithm}` lists its keys)")
+
+
 def _space(raw: Any, algorithm: str) -> dict[str, tuple[Any, ...]]:
     if not isinstance(raw, dict) or not raw:
         raise ConfigError("[tune.space]: give at least one run-config key to search over")
     own = {p.key: p for p in CORE.params}
     try:
         own.update(algorithm_params(algorithm))
+        known = True
     except ConfigError:
-        pass  # the unknown algorithm is reported when the points are parsed
+        known = False  # the unknown algorithm is reported when the points are parsed
     space = {}
     for key, spec in raw.items():
+        if known and key not in own:
+            raise ConfigError(f"[tune.space] {key}: not a key of {algorithm} (`fedpriv "
+                              f"algorithms {algorithm}` lists its keys)")
         if key in SET_BY_TUNING:
             raise ConfigError(f"[tune.space] {key}: set by the tuning itself; it cannot be "
                               "searched")
