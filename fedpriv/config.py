@@ -23,6 +23,7 @@ table (``fedpriv run`` fills it), and are always checked strictly.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -286,6 +287,9 @@ def _check_unknown(algorithm: str, own: Mapping[str, Param], values: Mapping[str
     others = declared_keys()
     if strict:
         hints = [f"{k} is read by {_few(others[k][1])}" for k in unknown if k in others]
+        hints += [f"did you mean {close[0]!r} for {k!r}?" for k in unknown if k not in others
+                  for close in [difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.75)]
+                  if close]
         raise ConfigError(f"unknown key(s) {unknown} for algorithm {algorithm!r}; {listing}"
                           + (f" ({'; '.join(hints)})" if hints else ""))
     for key in unknown:

@@ -24,8 +24,11 @@ def test_invalid_values_fail_naming_the_key(override, key):
 
 
 def test_unknown_keys_fail_in_strict_mode_only():
-    with pytest.raises(ConfigError, match="unknown key"):
+    with pytest.raises(ConfigError, match="unknown key.*did you mean 'epsilon' for 'epsilonn'"):
         RunConfig.from_mapping({"epsilonn": 1.0}, strict=True)
+    with pytest.raises(ConfigError, match="unknown key") as err:
+        RunConfig.from_mapping({"zzz-nothing-alike": 1.0}, strict=True)
+    assert "did you mean" not in str(err.value)
     assert RunConfig.from_mapping({"other-component-key": 1}).epsilon == 1.0
 
 
