@@ -504,14 +504,18 @@ def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
                                 "validation-samples-per-user": smallest - 1})
 
 
-def test_a_deep_algorithm_is_tuned_on_its_held_back_rows(tmp_path):
+def write_deep(tmp_path):
     path = tmp_path / "tune.toml"
     path.write_text('algorithm = "deep-private-fedrep"\nnum-users = 100\nrounds = 2\n'
                     'validation-samples-per-user = 3\n\n[tune]\nname = "deep"\nepsilon = 2.0\n'
                     'delta = 1e-5\nmethod = "compose-all"\nsearch = "grid"\n'
                     'score = "validation_error"\nseed = 0\n\n[tune.space]\n'
                     'learning-rate = [0.25, 1.0]\n')
-    report = run_tuning(load_tune(path), tmp_path / "out", log=lambda _: None)
+    return path
+
+
+def test_a_deep_algorithm_is_tuned_on_its_held_back_rows(tmp_path):
+    report = run_tuning(load_tune(write_deep(tmp_path)), tmp_path / "out", log=lambda _: None)
     scores = [c["score"] for c in report["candidates"]]
     assert len(scores) == 2 and report["winner"]["candidate"] == int(np.argmin(scores))
     winner = json.loads((tmp_path / "out" / "winner.json").read_text())
@@ -530,3 +534,17 @@ def test_a_key_the_algorithm_does_not_read_is_named_by_its_section(tmp_path):
         load_tune(write(tmp_path), ["tune.space.head-steps=[10, 20]"])
     with pytest.raises(ConfigError, match=r"^base: key\(s\) \['cross-fit'\]"):
         load_tune(write(tmp_path), ["cross-fit=2"])
+
+
+@pytest.mark.integration
+def test_a_deep_tuning_through_flower_holds_back_the_same_rows_on_every_node(
+        tmp_path, flower_env, flower_sessions):
+    """The nodes compute the held-back rows themselves (a seeded choice per user): the Flower
+    tuning's noisy scores equal the in-process ones."""
+    spec = load_tune(write_deep(tmp_path))
+    flower = run_tuning(spec, tmp_path / "flower", engine="flower", log=lambda _: None)
+    local = run_tuning(spec, tmp_path / "local", log=lambda _: None)
+    assert [r["score"] for r in flower["candidates"]] == pytest.approx(
+        [r["score"] for r in local["candidates"]], rel=1e-9)
+    assert [r["accuracy"] for r in flower["candidates"]] == pytest.approx(
+        [r["accuracy"] for r in local["candidates"]], rel=1e-9)
