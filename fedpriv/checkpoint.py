@@ -80,7 +80,7 @@ def lock(path: Path) -> int:
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = path.with_name(path.name + ".lock")
+    lock_path = lock_file(path)
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -106,10 +106,15 @@ def lock(path: Path) -> int:
     return fd
 
 
+def lock_file(path: Path) -> Path:
+    """The lock file of the checkpoint at ``path``."""
+    return path.with_name(path.name + ".lock")
+
+
 def remove(path: Path) -> None:
     """Remove a finished run's checkpoint and its lock file."""
     path.unlink(missing_ok=True)
-    path.with_name(path.name + ".lock").unlink(missing_ok=True)
+    lock_file(path).unlink(missing_ok=True)
 
 
 def unlock(fd: int) -> None:

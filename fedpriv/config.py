@@ -192,12 +192,12 @@ class RunConfig:
         if overlap:
             raise ConfigError(f"algorithm: {core['algorithm']} redeclares core key(s) {overlap}")
         _check_unknown(core["algorithm"], own, values, plugin, strict)
-        set_by_node = [k for k in NODE_KEYS if str({**values, **plugin}.get(k, "")).strip()]
-        if strict and set_by_node:
-            raise ConfigError(f"{set_by_node[0]}: set by the ClientApp of a SuperNode whose node "
-                              "config names its own data-file (it then reads only its users' "
-                              "rows); a run config does not set it")
         given = {**values, **plugin}
+        for key in NODE_KEYS if strict else ():
+            if str(given.get(key, "")).strip():
+                raise ConfigError(f"{key}: set by the ClientApp of a SuperNode whose node "
+                                  "config names its own data-file (it then reads only its "
+                                  "users' rows); a run config does not set it")
         params = tuple((p.key, p.parse(given.get(p.key, p.default))) for p in own.values())
         config = cls(**core, params=params)
         config._check_relations()

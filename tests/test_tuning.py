@@ -495,7 +495,19 @@ def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
             assert not (rows == image).all(1).any()
     results = run_in_process(val, log=lambda _: None)
     assert set(results["private_metrics"]) == {"validation_error"}
-    assert 0.0 <= results["private_metrics"]["validation_error"]["exact_clipped"] <= 1.0
+    released = results["private_metrics"]["validation_error"]
+    assert 0.0 <= released["exact_clipped"] <= 1.0
+    # the release is noised as planned: its share f of the target in GDP units, mu from
+    # (epsilon, delta) solved here independently, sensitivity 1 / (2 n) of the centred mean
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    eps, delta = val.epsilon, val.delta
+    mu = brentq(lambda m: norm.cdf(-eps / m + m / 2) - math.exp(eps) * norm.cdf(-eps / m - m / 2)
+                - delta, 1e-3, 50.0)
+    z = 1.0 / (math.sqrt(val.metrics_budget_fraction) * mu)
+    assert released["noise_std"] == pytest.approx(z / (2 * 100), rel=1e-6)
+    assert released["value"] != released["exact_clipped"]
     assert "accuracy" in results["metrics"]  # the reported metrics stay the test rows'
     smallest = int(full.users.train.counts.min())
     with pytest.raises(ConfigError, match=f"validation-samples-per-user: user .* has {smallest} "

@@ -196,7 +196,7 @@ def _npz(path: Path) -> Source:
             raise DatasetError(f"data-file: {path}: x_{split} must hold numbers (it has dtype "
                                f"{x.dtype})")
         with np.errstate(over="ignore", invalid="ignore"):
-            held = x.astype(np.float32)  # as the features are held
+            held = arrays[f"x_{split}"] = x.astype(np.float32)  # as the features are held
         if not np.isfinite(held).all():
             raise DatasetError(f"data-file: {path}: x_{split} holds "
                                f"{int(held.size - np.isfinite(held).sum())} values that are "
@@ -208,8 +208,8 @@ def _npz(path: Path) -> Source:
     users = [arrays.get("user_train"), arrays.get("user_test")]
     if (users[0] is None) != (users[1] is None):
         raise DatasetError(f"data-file: {path}: give both user_train and user_test, or neither")
-    return Source("npz", arrays["x_train"].astype(np.float32),
-                  arrays["y_train"].astype(np.int64), arrays["x_test"].astype(np.float32),
+    return Source("npz", arrays["x_train"], arrays["y_train"].astype(np.int64),
+                  arrays["x_test"],
                   arrays["y_test"].astype(np.int64), int(ys.max()) + 1 if ys.size else 0,
                   None if users[0] is None else np.asarray(users[0]),
                   None if users[1] is None else np.asarray(users[1]))

@@ -149,10 +149,10 @@ def _parse_features(row: list[str], keep: list[int], path: Path, line: int) -> l
 
 def _arrow_finds_all_finite(path: Path, features: tuple[str, ...]) -> bool:
     """True if pyarrow's CSV reader (C++, streamed in 16 MiB blocks) parses every feature as a
-    finite float64: the fast path of ``check_features`` (12 s -> 2-3 s for Fashion-MNIST's
-    70,000 rows as a 156 MB CSV). False where pyarrow is missing, refuses a cell or finds a
-    missing or non-finite value; the row-by-row scan with Python's ``float`` (what a node
-    parses with) then decides."""
+    number finite in float32: the fast path of ``check_features`` (Fashion-MNIST's 70,000 rows
+    as a 156 MB CSV: 2.8 s, against 13.8 s row by row). False where pyarrow is missing, refuses
+    a cell or finds a missing or non-finite value; the row-by-row scan with Python's ``float``
+    (what a node parses with) then decides."""
     try:
         import pyarrow as pa
         import pyarrow.csv as pacsv

@@ -100,6 +100,6 @@ class CheckpointStore:
         the path, so a server that opened the removed one tries again)."""
         if self._lock is not None:
             if self.path is not None and not self.path.exists():
-                self.path.with_name(self.path.name + ".lock").unlink(missing_ok=True)
+                checkpoint.lock_file(self.path).unlink(missing_ok=True)
             checkpoint.unlock(self._lock)
             self._lock = None

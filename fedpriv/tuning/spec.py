@@ -53,7 +53,14 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.config import CORE, ConfigError, RunConfig, algorithm_params, default_mapping
+from fedpriv.config import (
+    CORE,
+    ConfigError,
+    RunConfig,
+    algorithm_params,
+    default_mapping,
+    select_keys,
+)
 from fedpriv.config_files import parse_overrides, read_config_file
 from fedpriv.privacy.accounting import InfeasiblePlanError
 from fedpriv.privacy.selection import DISTRIBUTIONS, Repetitions
@@ -143,7 +150,7 @@ def load_tune(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
     if fixed:
         raise ConfigError(f"{fixed}: set by the tuning for each candidate (the target is "
                           "[tune] epsilon/delta); remove them from the base")
-    _check_base(base, set(given) | set(base_sets), base["algorithm"])
+    _check_base(set(given) | set(base_sets), base["algorithm"])
     space = _space(tune["space"], base["algorithm"])
     points = tuple(dict(zip(space, combo, strict=True))
                    for combo in itertools.product(*space.values()))
@@ -203,14 +210,14 @@ def load_tune(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
     return spec
 
 
-def _check_base(base: dict[str, Any], given: set[str], algorithm: str) -> None:
+def _check_base(given: set[str], algorithm: str) -> None:
     """A key the file (or ``--set``) gives that the algorithm does not read is named as the
     base's, before any candidate is parsed."""
     try:
-        read = set(default_mapping()) | set(algorithm_params(algorithm))
+        read = select_keys(dict.fromkeys(given), algorithm)
     except ConfigError:
         return  # the unknown algorithm is reported when the points are parsed
-    unread = sorted(k for k in given if k in base and k not in read)
+    unread = sorted(set(given) - set(read))
     if unread:
         raise ConfigError(f"base: key(s) {unread} are not keys of {algorithm} (`fedpriv "
                           f"algorithms {algorithm}` lists its keys)")
@@ -298,10 +305,11 @@ def _check_points(spec: TuneSpec) -> None:
         try:
             config = RunConfig.from_mapping(spec.candidate_values(point, spec.epsilon),
                                             strict=True)
-            algorithm_for(config).check_inputs(config)  # every value of a data file (cached)
+            cls = algorithm_for(config)
+            cls.check_inputs(config)  # every value of a data file (cached)
         except ConfigError as err:
             raise ConfigError(f"candidate ({where}): {err}") from None
-        names = algorithm_for(config).evaluation_bounds(config)
+        names = cls.evaluation_bounds(config)
         if spec.score not in names:
             raise ConfigError(f"[tune] score: {spec.score!r} is not a private metric of "
                               f"{config.algorithm}; it releases {sorted(names)}")
