@@ -92,22 +92,33 @@ def release_document(report: Mapping[str, Any]) -> dict[str, Any]:
 def write_outputs(report: Mapping[str, Any],
                   path: str | os.PathLike) -> tuple[Path, Path]:
     """Write the operator report to ``path`` and the release beside it, atomically; returns
-    (operator report, release) as absolute paths."""
+    (operator report, release) as absolute paths. A run with ``eval-every`` also gets its
+    learning curve beside the operator report (``fedpriv.learning_curve``: exact, operator
+    only)."""
+    from fedpriv.learning_curve import curve_path, plot_curve
+
     target = Path(path).expanduser().resolve()
     released = release_path(target)
     operator = {"document": OPERATOR_DOCUMENT.format(release=released.name),
                 **{k: v for k, v in report.items() if k != "document"}}
     _write_json(released, release_document(report))
     _write_json(target, operator)
+    plot_curve(report, curve_path(target))
     return target, released
 
 
 def output_lines(report_path: Path, release: Path, report: Mapping[str, Any]) -> list[str]:
     """What ``fedpriv run`` prints at the end: which file is which."""
+    from fedpriv.learning_curve import curve_path, curve_points
+
     ok, why = publishable(report)
     state = "publishable" if ok else f"NOT publishable: {why}"
-    return [f"fedpriv: operator report (exact, not private; do not publish): {report_path}",
-            f"fedpriv: release (what may leave the server; {state}): {release}"]
+    lines = [f"fedpriv: operator report (exact, not private; do not publish): {report_path}",
+             f"fedpriv: release (what may leave the server; {state}): {release}"]
+    if curve_points(report):
+        lines.append("fedpriv: learning curve (exact metrics, not private; do not publish): "
+                     f"{curve_path(report_path)}")
+    return lines
 
 
 def _write_json(target: Path, data: Mapping[str, Any]) -> None:

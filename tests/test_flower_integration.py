@@ -148,13 +148,14 @@ def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flowe
 def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_env):
     """Deep Private FedRep on real data (digits): the Flower simulation and the in-process
     engine give the same metrics, release and epsilon for the same seed (with the heads
-    cross-fitted: the key reaches the nodes through Flower's run config)."""
+    cross-fitted: the key reaches the nodes through Flower's run config), and the same
+    learning curve (eval steps before round 1 and after it)."""
     from fedpriv.config import RunConfig
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="deep-private-fedrep", num_users=60, hidden_sizes="32",
                     rounds=2, epsilon=8.0, delta=1e-5, users_per_node=20, users_per_round=30,
-                    cross_fit=2)
+                    cross_fit=2, eval_every=1)
     results, _ = run_cli(flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     local = run_in_process(RunConfig.from_mapping(
@@ -165,3 +166,7 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_e
     assert np.allclose(results["server_state"]["parameters"],
                        local["server_state"]["parameters"], atol=1e-6)
     assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])
+    flower_eval, local_eval = results["rounds"][2], local["rounds"][2]
+    assert flower_eval["step"] == local_eval["step"] == "eval-1"
+    assert flower_eval["accuracy"] == pytest.approx(local_eval["accuracy"], abs=1e-6)
+    assert (tmp_path / "results.curve.png").is_file()  # drawn by the ServerApp

@@ -18,9 +18,12 @@ from tests.test_flower_integration import run_cli
 pytestmark = pytest.mark.integration
 
 SETTINGS = dict(num_users=600, dim=10, epsilon=2.0, rounds=5, users_per_node=200)
-# a torch body on real data with adaptive clipping: its clip norm is server state to resume
+# a torch body on real data with adaptive clipping: its clip norm is server state to resume;
+# with a learning curve (eval steps before round 1 and after rounds 2 and 4: the kill comes
+# after round 2)
 DEEP = dict(algorithm="deep-private-fedrep", dataset="digits", num_users=60, hidden_sizes="16",
-            epsilon=2.0, delta=1e-5, rounds=5, users_per_node=20, clip_quantile=0.5)
+            epsilon=2.0, delta=1e-5, rounds=5, users_per_node=20, clip_quantile=0.5,
+            eval_every=2)
 
 
 def _descendants(root: int) -> set[int]:
@@ -135,6 +138,11 @@ def test_killing_the_server_mid_run_and_resuming_counts_every_release_once(tmp_p
         clips = [r["clip_norm"] for r in results["rounds"] if r["step"].startswith("round")]
         assert clips == [r["clip_norm"] for r in whole["rounds"] if "clip_norm" in r]
         assert len(set(clips)) == 5
+        evals = [{k: r[k] for k in ("step", "accuracy", "test_loss")}
+                 for r in results["rounds"] if r["step"].startswith("eval-")]
+        assert evals == [{k: r[k] for k in ("step", "accuracy", "test_loss")}
+                         for r in whole["rounds"] if r["step"].startswith("eval-")]
+        assert [e["step"] for e in evals] == ["eval-0", "eval-2", "eval-4"]
     for group in groups:  # nothing of the killed run is left
         assert not any(_alive(pid) for pid in _descendants(1) if _pgid(pid) == group)
 

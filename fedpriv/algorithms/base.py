@@ -54,23 +54,32 @@ class Part:
     mechanism: str = "gaussian"
 
 
+# An exact evaluation of the model after round ``index`` (operator report only, nothing
+# released): like the final step it has no parts, so nodes answer it with their final fit and
+# metric sums, and the server records the metrics without noise or accounting.
+EXACT_EVAL = "eval"
+
+
 @dataclass(frozen=True)
 class Step:
     """One server-node exchange."""
 
-    kind: str  # e.g. "init", "round", "final"
+    kind: str  # e.g. "init", "round", "eval", "final"
     index: int = 0
     release: str | None = None  # privacy-plan entry; None: nothing noised (non-private)
-    parts: tuple[Part, ...] = ()  # empty: the final step (metrics only)
+    parts: tuple[Part, ...] = ()  # empty: a metrics step (``eval`` or the final one)
     population: int | None = None  # public number of users averaged over (None: all users)
     group: int | None = None  # disjoint user group taking part (None: every user)
 
     @property
     def label(self) -> str:
-        return f"{self.kind}-{self.index}" if self.kind == "round" else self.kind
+        return (f"{self.kind}-{self.index}" if self.kind in ("round", EXACT_EVAL)
+                else self.kind)
 
     @property
     def is_final(self) -> bool:
+        """A metrics step: the final one, or an exact evaluation between rounds (no parts:
+        the nodes fit and score their users; nothing is released)."""
         return not self.parts
 
     def to_json(self) -> str:

@@ -155,8 +155,10 @@ class PrivateServer:
             sums = {k: sum(a.metrics[k] for a in accepted) for k in keys}
             if users == 0:  # keep the run (and its ledger); there is nothing to measure
                 self.metrics = {}
-                report["error"] = "no node answered the final evaluation"
-                self.log("  final: no node answered; the results carry no metrics")
+                report["error"] = f"no node answered the {step.label} evaluation"
+                self.log(f"  {step.label}: no node answered; "
+                         + ("the results carry no metrics" if step.kind == "final"
+                            else "no point of the learning curve here"))
             else:
                 self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)

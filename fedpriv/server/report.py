@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedpriv.algorithms.base import Step
+from fedpriv.algorithms.base import EXACT_EVAL, Step
 from fedpriv.config import RunConfig
 
 # metrics shown on a progress line, when a step reports them
 PROGRESS_METRICS = ("subspace_distance", "population_mse", "test_mse", "local_only_mse",
                     "meta_model_norm", "transfer_risk", "local_risk", "cluster_purity",
-                    "test_accuracy", "local_only_accuracy")
+                    "test_accuracy", "local_only_accuracy", "accuracy", "accuracy_p10")
 
 
 def step_report(step: Step, nodes_answered: int, num_nodes: int, users: int,
@@ -31,6 +31,8 @@ def step_report(step: Step, nodes_answered: int, num_nodes: int, users: int,
     }
     if step.group is not None:
         report["user_group"] = step.group
+    if step.kind == EXACT_EVAL:
+        report["after_round"] = step.index
     return report
 
 

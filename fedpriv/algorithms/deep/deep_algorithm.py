@@ -10,7 +10,10 @@ whoever takes part; the server adds the planned Gaussian noise and steps with mo
 post-processing of the noisy means). ``users-per-round = m > 0``: each round takes a Poisson
 sample of the users (rate m / n, drawn from the seed and the user id, secret to the server) and
 divides by m, accounted as a Poisson-subsampled Gaussian like Meta-NSGD. The final step releases
-nothing: it reports metric sums to the operator.
+nothing: it reports metric sums to the operator. So do the ``eval`` steps of ``eval-every``
+(a learning curve): the same work with the model of an earlier round, neither released nor
+accounted, and they change nothing the run computes (the model, the noise and the Poisson
+samples are the same with or without them; a test checks).
 
 Subclasses set ``trains`` (``"body"`` or ``"model"``) and ``final_fit`` (``"head"``: each user
 fits its head from zero with the released body; ``"fine-tune"``: from the global head;
@@ -27,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
+from fedpriv.algorithms.base import EXACT_EVAL, Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
 from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
@@ -184,7 +187,9 @@ class DeepAlgorithm(Algorithm):
     def steps(self) -> list[Step]:
         """T rounds, then the final fit. The rounds carry the current clip norm: with adaptive
         clipping it moves after each round (the server asks for the next step after each
-        release), and the round also releases the count of unclipped users."""
+        release), and the round also releases the count of unclipped users. ``eval-every = k``:
+        exact evaluation steps of the initial model and after every k-th round before the
+        last (the final step evaluates the last round's model)."""
         c = self.config
         clip = self.clip if c.clipping else float("inf")
         if c.clip_quantile > 0:
@@ -194,8 +199,12 @@ class DeepAlgorithm(Algorithm):
         else:
             parts = (Part("update", (self.release_size,), clip),)
         release = "round" if self.private else None
-        return [*(Step("round", t, release, parts, population=c.users_per_round or None)
-                  for t in range(1, c.rounds + 1)), Step("final")]
+        steps = [Step(EXACT_EVAL, 0)] if c.eval_every else []  # the initial model
+        for t in range(1, c.rounds + 1):
+            steps.append(Step("round", t, release, parts, population=c.users_per_round or None))
+            if c.eval_every and t % c.eval_every == 0 and t < c.rounds:
+                steps.append(Step(EXACT_EVAL, t))
+        return [*steps, Step("final")]
 
     def charge(self, step: Step) -> tuple[list[int] | None, float]:
         return None, self.sampling_rate(self.config)

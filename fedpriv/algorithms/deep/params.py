@@ -159,4 +159,10 @@ ROUNDS = ParamGroup("deep rounds", (
     Param("clip-count-share", float, 0.05, "adaptive clipping: the share of each round's "
           "privacy loss spent on the count of unclipped users (the update gets the rest)",
           lambda x: 0 < x < 1, "a number in (0, 1)"),
+    Param("eval-every", int, 0, "a learning curve: before the first round and every k "
+          "rounds the users fit and score their personal models with the model of that round "
+          "(the final step's work), and "
+          "the exact metrics go to the operator report and a plot beside it (not private, "
+          "nothing released, no epsilon; each costs one final fit); 0 = the final step only",
+          non_negative, "an integer >= 0"),
 ), _check_rounds)

@@ -1,0 +1,94 @@
+"""The learning curve of a run with ``eval-every`` (deep family): its exact metrics before the
+first round and after every k-th round, drawn beside the operator report.
+
+An ``eval`` step (``fedpriv.algorithms.base.EXACT_EVAL``) is the final step's work with the
+model of an earlier round: each user fits its personal model and scores its test rows, the
+nodes send metric sums, and the server records them in that step's entry of the operator
+report's ``rounds`` (with ``after_round``). Nothing is released and nothing is accounted, so the
+curve is exact and **not private**: it belongs with the operator report
+(``<results stem>.curve.png``), never with the release. Choosing the number of rounds by
+looking at it is tuning on the users' test data; ``fedpriv tune`` is the private way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+CURVE_SUFFIX = ".curve.png"
+# what is drawn, when the metrics have it: (metric, axis title, line label)
+_PANELS = (("accuracy", "mean per-user test accuracy", "mean user"),
+           ("accuracy_p10", "mean per-user test accuracy", "10th-percentile user"),
+           ("test_loss", "test loss (mean per user)", "mean user"))
+
+
+def curve_path(results_path: str | os.PathLike) -> Path:
+    """Where the learning curve of a run whose operator report is at ``results_path`` goes."""
+    p = Path(results_path)
+    return p.with_name(p.stem + CURVE_SUFFIX)
+
+
+def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The curve's points, in round order: each ``eval`` step's metrics (``round`` = the round
+    whose model it scored) and the final step's (the last round's model), each with the epsilon
+    spent by then. Empty for a run without ``eval`` steps (a curve of one point is the final
+    metrics, which the summary prints)."""
+    steps = report.get("rounds") or []
+    if not any("after_round" in s for s in steps):
+        return []
+    points, rounds, spent = [], 0, 0.0
+    for s in steps:
+        if str(s["step"]).startswith("round-"):
+            rounds += 1
+            spent = s.get("epsilon_spent", spent)
+        elif ("after_round" in s or s["step"] == "final") and "accuracy" in s:
+            points.append({"round": s.get("after_round", rounds), "epsilon_spent": spent,
+                           **{k: s[k] for k, _, _ in _PANELS if k in s}})
+    return points
+
+
+def plot_curve(report: Mapping[str, Any], path: str | os.PathLike) -> Path | None:
+    """Draw the curve (accuracy of the mean and the 10th-percentile user, and the test loss,
+    against the round; the epsilon spent by each point on the top axis) to ``path``; None,
+    and nothing written, when the run has no ``eval`` steps."""
+    points = curve_points(report)
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    xs = [p["round"] for p in points]
+    fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.2), dpi=110)
+    for ax, keys in zip(axes, (("accuracy", "accuracy_p10"), ("test_loss",)), strict=True):
+        for key, style, face in zip(keys, ("-", "--"), ("C0", "white"), strict=False):
+            ys = [p.get(key, float("nan")) for p in points]
+            title, label = next((t, lab) for k, t, lab in _PANELS if k == key)
+            ax.plot(xs, ys, linestyle=style, marker="o", color="C0", markerfacecolor=face,
+                    label=label)
+            ax.set_ylabel(title)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax is axes[0]:
+            ax.legend(loc="best", fontsize=8)
+        if report["privacy"].get("epsilon") is not None:
+            top = ax.secondary_xaxis("top")
+            top.set_xticks(xs)
+            top.set_xticklabels([f"{p['epsilon_spent']:.2g}" for p in points], fontsize=7)
+            top.set_xlabel("epsilon spent", fontsize=8)
+    privacy = report["privacy"]
+    target = ("non-private" if privacy.get("epsilon") is None
+              else f"target epsilon {privacy['target_epsilon']:g}, delta {privacy['delta']:g}")
+    fig.suptitle(f"{report['algorithm']}, {report['num_users']} users, {target}: exact "
+                 "metrics, operator only (not private)", fontsize=10)
+    fig.tight_layout()
+    target_path = Path(path)
+    target_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target_path)
+    plt.close(fig)
+    return target_path

@@ -1,0 +1,93 @@
+"""Learning curves of deep runs (``eval-every``): exact evaluation steps between rounds score
+the model of their round, change nothing the run computes or releases, and are drawn beside the
+operator report."""
+
+import json
+
+import pytest
+
+from fedpriv.config import RunConfig
+from fedpriv.engine import run_in_process
+from fedpriv.learning_curve import curve_path, curve_points
+from fedpriv.outputs import output_lines, write_outputs
+from fedpriv.params import ConfigError
+
+SMALL = {"dataset": "digits", "num-users": 60, "hidden-sizes": "16", "checkpoint": False,
+         "epsilon": 2.0, "delta": 1e-5}
+METRICS = ("accuracy", "accuracy_p10", "test_loss", "users_evaluated")
+
+
+def run(algorithm, **keys):
+    mapping = {"algorithm": algorithm, **SMALL, **{k.replace("_", "-"): v for k, v in keys.items()}}
+    return run_in_process(RunConfig.from_mapping(mapping, strict=True), num_partitions=2,
+                          log=lambda _: None)
+
+
+def test_an_eval_step_scores_the_model_of_its_round():
+    """Non-private FedRep (no noise, so the rounds' models do not depend on how many rounds
+    the budget is split over): the evaluation after round 2 of a 4-round run equals the final
+    metrics of a 2-round run."""
+    four = run("deep-fedrep", rounds=4, eval_every=2)
+    assert [r["step"] for r in four["rounds"]] == ["eval-0", "round-1", "round-2", "eval-2",
+                                                   "round-3", "round-4", "final"]
+    two = run("deep-fedrep", rounds=2)
+    after_two = four["rounds"][3]
+    assert after_two["after_round"] == 2 and after_two["users_evaluated"] == 60
+    for key in METRICS:
+        assert after_two[key] == two["metrics"][key]
+    assert four["metrics"] != two["metrics"]  # the curve moved: a check that can fail
+    assert four["rounds"][0]["after_round"] == 0
+    assert four["rounds"][0]["accuracy"] < after_two["accuracy"]  # training helped
+
+
+@pytest.mark.parametrize("algorithm", ["deep-private-fedrep", "deep-dp-fedavg-ft"])
+def test_eval_steps_change_nothing_the_run_computes_or_releases(algorithm):
+    """With Poisson cohorts, adaptive clipping and the private evaluation: the same model,
+    ledger, epsilon, private metric and final metrics with and without the eval steps (they
+    draw no noise, move no sample and spend no epsilon)."""
+    keys = dict(rounds=3, users_per_round=30, clip_quantile=0.5, private_metrics=True)
+    plain, curved = run(algorithm, **keys), run(algorithm, eval_every=1, **keys)
+    assert [r["step"] for r in curved["rounds"]] == [
+        "eval-0", "round-1", "eval-1", "round-2", "eval-2", "round-3", "evaluate", "final"]
+    assert curved["server_state"] == plain["server_state"]
+    assert curved["privacy"] == plain["privacy"]
+    assert curved["private_metrics"] == plain["private_metrics"]
+    assert curved["metrics"] == plain["metrics"]
+    evals = [r for r in curved["rounds"] if r["step"].startswith("eval-")]
+    assert all("epsilon_spent" not in r and r["users_evaluated"] == 60 for r in evals)
+    rounds = [r for r in curved["rounds"] if r["step"].startswith("round-")]
+    assert [r["users_contributing"] for r in rounds] == [
+        r["users_contributing"] for r in plain["rounds"] if r["step"].startswith("round-")]
+
+
+def test_the_curve_is_drawn_beside_the_operator_report_and_never_released(tmp_path):
+    results = run("deep-private-fedrep", rounds=4, eval_every=2)
+    report, release = write_outputs(results, tmp_path / "r.json")
+    png = curve_path(report)
+    assert png == tmp_path / "r.curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    points = curve_points(results)
+    by_step = {r["step"]: r for r in results["rounds"]}
+    assert [p["round"] for p in points] == [0, 2, 4]
+    assert [p["epsilon_spent"] for p in points] == [0.0, by_step["round-2"]["epsilon_spent"],
+                                                    by_step["round-4"]["epsilon_spent"]]
+    assert points[1]["accuracy"] == by_step["eval-2"]["accuracy"]
+    assert points[2]["accuracy"] == results["metrics"]["accuracy"]
+    assert any(str(png) in line for line in output_lines(report, release, results))
+    released = json.loads(release.read_text())
+    assert "accuracy" not in json.dumps(released)  # exact metrics stay with the operator
+    assert [s["step"] for s in released["steps"]] == [f"round-{t}" for t in range(1, 5)]
+    # a run without eval steps: no curve, no line
+    plain = run("deep-private-fedrep", rounds=2)
+    report, release = write_outputs(plain, tmp_path / "plain.json")
+    assert not curve_path(report).exists() and curve_points(plain) == []
+    assert not any("learning curve" in line for line in output_lines(report, release, plain))
+
+
+def test_bad_eval_every_fails_before_the_run_naming_the_key():
+    with pytest.raises(ConfigError, match="eval-every"):
+        RunConfig.from_mapping({"algorithm": "deep-private-fedrep", **SMALL, "eval-every": -1},
+                               strict=True)
+    with pytest.raises(ConfigError, match="eval-every"):  # nothing shared, no rounds to score
+        RunConfig.from_mapping({"algorithm": "deep-local-only", **SMALL, "eval-every": 2},
+                               strict=True)
