@@ -119,13 +119,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     csv_path, json_path = sweep.write_table(rows, out)
     figure = sweep_figure.plot(spec, rows, out / "figure.png")
+    curves = sweep_figure.plot_curves(spec, out / "runs", out / "curves.png")
+    if curves is None:
+        (out / "curves.png").unlink(missing_ok=True)  # never a stale one beside this table
     print(sweep.markdown_table(rows, spec))
     print(f"fedpriv: table {csv_path} and {json_path}; figure {figure}")
+    if curves is not None:
+        print(f"fedpriv: learning curves (the runs' eval steps; exact, operator only) {curves}")
     if args.plot:
         target = Path(args.plot).expanduser().resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(figure.read_bytes())
         print(f"fedpriv: figure copied to {target}")
+        if curves is not None:
+            curves_target = target.with_name(f"{target.stem}_curves{target.suffix}")
+            curves_target.write_bytes(curves.read_bytes())
+            print(f"fedpriv: learning curves copied to {curves_target}")
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 CURVE_SUFFIX = ".curve.png"
+CURVE_METRICS = ("accuracy", "accuracy_p10", "test_loss")  # what a point carries
 # what is drawn, when the metrics have it: (metric, axis title, line label)
 _PANELS = (("accuracy", "mean per-user test accuracy", "mean user"),
            ("accuracy_p10", "mean per-user test accuracy", "10th-percentile user"),
@@ -45,7 +46,7 @@ def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             spent = s.get("epsilon_spent", spent)
         elif ("after_round" in s or s["step"] == "final") and "accuracy" in s:
             points.append({"round": s.get("after_round", rounds), "epsilon_spent": spent,
-                           **{k: s[k] for k, _, _ in _PANELS if k in s}})
+                           **{k: s[k] for k in CURVE_METRICS if k in s}})
     return points
 
 

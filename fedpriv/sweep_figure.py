@@ -1,8 +1,12 @@
 """The figure of a sweep (``fedpriv sweep``): the metric against epsilon or another run-config
-key, one curve per series, from the table ``fedpriv.sweep.summarize`` builds."""
+key, one curve per series, from the table ``fedpriv.sweep.summarize`` builds; and, where the
+runs have ``eval-every`` (deep family), their learning curves, one panel per epsilon, from the
+runs' operator reports (exact metrics: operator only, like the rest of a sweep's output)."""
 
 from __future__ import annotations
 
+import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -96,6 +100,87 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), framealpha=0.9)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ----- the learning curves of a sweep (runs with eval-every) -------------------------------
+def curve_table(spec: SweepSpec, runs_dir: Path) -> dict[tuple[str, float | None], dict]:
+    """{(series, epsilon): {round: [the metric of each seed]}} from the runs' operator reports
+    (``fedpriv.learning_curve.curve_points``); a series whose runs have no eval steps (local
+    only) maps to {None: [each seed's final metric]}. Empty when no run has eval steps, when
+    the sweep's axis is not epsilon, or when the metric is not one a curve carries."""
+    from fedpriv.learning_curve import CURVE_METRICS, curve_points
+
+    if spec.x != "epsilon" or spec.metric not in CURVE_METRICS:
+        return {}
+    table: dict[tuple[str, float | None], dict] = {}
+    for run in spec.runs:
+        path = runs_dir / f"{run.slug}.json"
+        if not path.is_file():
+            continue
+        results = json.loads(path.read_text())
+        cell = table.setdefault((run.series, run.epsilon), {})
+        points = curve_points(results)
+        for point in points:
+            cell.setdefault(point["round"], []).append(point[spec.metric])
+        if not points and spec.metric in results["metrics"]:
+            cell.setdefault(None, []).append(results["metrics"][spec.metric])
+    if not any(r is not None for cell in table.values() for r in cell):
+        return {}
+    return table
+
+
+def plot_curves(spec: SweepSpec, runs_dir: Path, path: Path) -> Path | None:
+    """The metric against the round, one panel per epsilon, one line per series (the mean over
+    seeds, the band min to max); an epsilon-free series (non-private) in every panel, dashed; a
+    series without rounds (local only) as a horizontal line at its final value. None, and
+    nothing drawn, where ``curve_table`` is empty."""
+    table = curve_table(spec, runs_dir)
+    if not table:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    cols = min(3, len(spec.epsilons))
+    rows = math.ceil(len(spec.epsilons) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows + 0.8), dpi=110,
+                             squeeze=False, sharey=True)
+    series = list(dict.fromkeys(run.series for run in spec.runs))
+    for ax, eps in zip(axes.flat, spec.epsilons, strict=False):
+        for i, name in enumerate(series):
+            cell, free = table.get((name, eps)), (name, eps) not in table
+            cell = cell if cell is not None else table.get((name, None), {})
+            color = f"C{i % 10}"
+            if None in cell:  # no rounds: its final value
+                ax.axhline(sum(cell[None]) / len(cell[None]), color=color, linestyle=":",
+                           linewidth=1.4, label=name)
+                continue
+            xs = sorted(cell)
+            if not xs:
+                continue
+            ax.plot(xs, [sum(cell[x]) / len(cell[x]) for x in xs], color=color,
+                    linestyle="--" if free else "-", marker="o", markersize=3, label=name)
+            ax.fill_between(xs, [min(cell[x]) for x in xs], [max(cell[x]) for x in xs],
+                            color=color, alpha=0.15, linewidth=0)
+        ax.set_title(rf"$\varepsilon$ = {eps:g}", fontsize=10)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(spec.epsilons):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(metric_label(spec.metric))
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8)
+    fig.suptitle(f"{spec.title}: learning curves (exact metrics, operator only)\n"
+                 f"{_subtitle(spec)}, {len(spec.seeds)} seeds (band: min–max)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08 + 0.04 * (len(labels) > 4), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

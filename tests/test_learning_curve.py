@@ -91,3 +91,71 @@ def test_bad_eval_every_fails_before_the_run_naming_the_key():
     with pytest.raises(ConfigError, match="eval-every"):  # nothing shared, no rounds to score
         RunConfig.from_mapping({"algorithm": "deep-local-only", **SMALL, "eval-every": 2},
                                strict=True)
+
+
+SWEEP = """
+[sweep]
+name = "curves"
+title = "tiny curves"
+epsilons = [2, 8]
+seeds = [0, 1]
+metric = "accuracy"
+
+[base]
+dataset = "digits"
+num-users = 60
+hidden-sizes = "16"
+delta = 1e-5
+rounds = 2
+eval-every = 1
+
+[[series]]
+label = "Private FedRep"
+algorithm = "deep-private-fedrep"
+
+[[series]]
+label = "FedRep"
+algorithm = "deep-fedrep"
+set = { clipping = false }
+
+[[series]]
+label = "Local only"
+algorithm = "deep-local-only"
+"""
+
+
+def test_a_sweep_draws_its_runs_learning_curves_one_panel_per_epsilon(tmp_path, capsys):
+    from fedpriv.cli import main
+    from fedpriv.sweep import load_sweep
+    from fedpriv.sweep_figure import curve_table
+
+    path = tmp_path / "curves.toml"
+    path.write_text(SWEEP)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--jobs", "1",
+                 "--plot", str(tmp_path / "fig.png")]) == 0
+    printed = capsys.readouterr().out
+    assert f"learning curves (the runs' eval steps; exact, operator only) {out / 'curves.png'}" in (
+        printed)
+    for png in (out / "curves.png", tmp_path / "fig_curves.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = curve_table(load_sweep(path), out / "runs")
+    runs = {p.name: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")
+            if ".release." not in p.name}
+    for label, slug, eps in (("Private FedRep", "private-fedrep", 2.0),
+                             ("Private FedRep", "private-fedrep", 8.0),
+                             ("FedRep", "fedrep", None)):
+        cell = table[(label, eps)]
+        assert sorted(cell) == [0, 1, 2]  # the initial model, eval-1, the final step
+        tag = "none" if eps is None else f"{eps:g}"
+        seeds = [runs[f"{slug}__eps-{tag}__seed-{s}.json"] for s in (0, 1)]
+        assert cell[2] == [r["metrics"]["accuracy"] for r in seeds]
+        assert cell[1] == [next(s["accuracy"] for s in r["rounds"] if s["step"] == "eval-1")
+                           for r in seeds]
+    local = [runs[f"local-only__eps-none__seed-{s}.json"] for s in (0, 1)]
+    assert table[("Local only", None)] == {None: [r["metrics"]["accuracy"] for r in local]}
+    # the same sweep without eval steps: no curves, and the old figure is not left behind
+    path.write_text(SWEEP.replace("eval-every = 1\n", ""))
+    assert main(["sweep", str(path), "--out", str(out), "--jobs", "1"]) == 0
+    assert "learning curves" not in capsys.readouterr().out
+    assert not (out / "curves.png").exists()
