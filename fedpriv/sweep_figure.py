@@ -125,7 +125,8 @@ def curve_table(spec: SweepSpec, runs_dir: Path) -> dict[tuple[str, float | None
         cell = table.setdefault((run.series, run.epsilon), {})
         points = curve_points(results)
         for point in points:
-            cell.setdefault(point["round"], []).append(point[spec.metric])
+            if spec.metric in point:
+                cell.setdefault(point["round"], []).append(point[spec.metric])
         if not points and spec.metric in results["metrics"]:
             cell.setdefault(None, []).append(results["metrics"][spec.metric])
     if not any(r is not None for cell in table.values() for r in cell):
