@@ -34,16 +34,19 @@ def curve_path(results_path: str | os.PathLike) -> Path:
 def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The curve's points, in round order: each ``eval`` step's metrics (``round`` = the round
     whose model it scored) and the final step's (the last round's model), each with the epsilon
-    spent by then. Empty for a run without ``eval`` steps (a curve of one point is the final
-    metrics, which the summary prints)."""
+    spent by then: the accountant's value in the report of the round before it, or None where
+    that round has none (a Poisson-sampled run's accountant is evaluated at some rounds only).
+    Empty for a run without ``eval`` steps (a curve of one point is the final metrics, which
+    the summary prints)."""
     steps = report.get("rounds") or []
     if not any("after_round" in s for s in steps):
         return []
-    points, rounds, spent = [], 0, 0.0
+    points, rounds = [], 0
+    spent: float | None = 0.0
     for s in steps:
         if str(s["step"]).startswith("round-"):
             rounds += 1
-            spent = s.get("epsilon_spent", spent)
+            spent = s.get("epsilon_spent")
         elif ("after_round" in s or s["step"] == "final") and "accuracy" in s:
             points.append({"round": s.get("after_round", rounds), "epsilon_spent": spent,
                            **{k: s[k] for k in CURVE_METRICS if k in s}})
@@ -52,7 +55,8 @@ def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def plot_curve(report: Mapping[str, Any], path: str | os.PathLike) -> Path | None:
     """Draw the curve (accuracy of the mean and the 10th-percentile user, and the test loss,
-    against the round; the epsilon spent by each point on the top axis) to ``path``; None,
+    against the round; the epsilon spent by each point on the top axis, where the accountant
+    gave it at every point) to ``path``; None,
     and nothing written, when the run has no ``eval`` steps."""
     points = curve_points(report)
     if not points:
@@ -77,7 +81,8 @@ def plot_curve(report: Mapping[str, Any], path: str | os.PathLike) -> Path | Non
         ax.grid(alpha=0.3)
         if ax is axes[0]:
             ax.legend(loc="best", fontsize=8)
-        if report["privacy"].get("epsilon") is not None:
+        known = all(p["epsilon_spent"] is not None for p in points)
+        if report["privacy"].get("epsilon") is not None and known:
             top = ax.secondary_xaxis("top")
             top.set_xticks(xs)
             top.set_xticklabels([f"{p['epsilon_spent']:.2g}" for p in points], fontsize=7)

@@ -103,7 +103,8 @@ def write_outputs(report: Mapping[str, Any],
                 **{k: v for k, v in report.items() if k != "document"}}
     _write_json(released, release_document(report))
     _write_json(target, operator)
-    plot_curve(report, curve_path(target))
+    if plot_curve(report, curve_path(target)) is None:
+        curve_path(target).unlink(missing_ok=True)  # never an older run's curve beside it
     return target, released
 
 

@@ -77,11 +77,29 @@ def test_the_curve_is_drawn_beside_the_operator_report_and_never_released(tmp_pa
     released = json.loads(release.read_text())
     assert "accuracy" not in json.dumps(released)  # exact metrics stay with the operator
     assert [s["step"] for s in released["steps"]] == [f"round-{t}" for t in range(1, 5)]
-    # a run without eval steps: no curve, no line
+    # a run without eval steps: no curve (an older run's at its path is removed), no line
     plain = run("deep-private-fedrep", rounds=2)
+    write_outputs(results, tmp_path / "plain.json")
+    assert curve_path(tmp_path / "plain.json").exists()
     report, release = write_outputs(plain, tmp_path / "plain.json")
     assert not curve_path(report).exists() and curve_points(plain) == []
     assert not any("learning curve" in line for line in output_lines(report, release, plain))
+
+
+def test_a_poisson_runs_curve_shows_only_the_epsilons_the_accountant_gave(tmp_path):
+    """With Poisson cohorts the accountant is evaluated at some rounds only (1, 2, 4 and the
+    last here): a point after another round carries no epsilon (not an older, smaller one),
+    and the plot then leaves the epsilon axis out."""
+    results = run("deep-private-fedrep", rounds=5, users_per_round=30, eval_every=1)
+    by_step = {r["step"]: r for r in results["rounds"]}
+    assert "epsilon_spent" not in by_step["round-3"]
+    points = curve_points(results)
+    assert [p["round"] for p in points] == [0, 1, 2, 3, 4, 5]
+    assert [p["epsilon_spent"] for p in points] == [
+        0.0, *(by_step[f"round-{t}"].get("epsilon_spent") for t in range(1, 6))]
+    assert points[3]["epsilon_spent"] is None and points[5]["epsilon_spent"] <= 2.0
+    report, _ = write_outputs(results, tmp_path / "r.json")
+    assert curve_path(report).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_eval_every_fails_before_the_run_naming_the_key():

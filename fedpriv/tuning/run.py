@@ -41,6 +41,7 @@ from typing import Any
 from fedpriv.config import RunConfig
 from fedpriv.config_files import toml_value
 from fedpriv.engine import run_in_process, write_results
+from fedpriv.learning_curve import curve_path
 from fedpriv.outputs import release_path, write_outputs
 from fedpriv.privacy.accounting import EventKey
 from fedpriv.tuning.budget import Budget, calibrate_tuning
@@ -133,15 +134,17 @@ def select(rows: list[dict[str, Any]], maximize: bool) -> dict[str, Any]:
 
 
 _OUTPUTS = ("tuning-report.json", "candidates.csv", "winner.json", "winner.release.json",
-            "winner.toml", "rerun.json", "rerun.release.json")
+            "winner.curve.png", "winner.toml", "rerun.json", "rerun.release.json",
+            "rerun.curve.png")
 
 
 def _clear(out: Path) -> None:
     """Remove what an earlier tuning left in ``out`` (never anything else)."""
     for name in _OUTPUTS:
         (out / name).unlink(missing_ok=True)
-    for old in (out / "candidates").glob("candidate-*.json"):
-        old.unlink()
+    for pattern in ("candidate-*.json", "candidate-*.png"):
+        for old in (out / "candidates").glob(pattern):
+            old.unlink()
 
 
 def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[str, Any]:
@@ -156,6 +159,7 @@ def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[
                   session=session) != 0:
         raise RuntimeError(f"the Flower run of {path.name} failed")
     release_path(path).unlink(missing_ok=True)  # a candidate's own release is not published
+    curve_path(path).unlink(missing_ok=True)  # nor its curve: the in-process candidates have none
     return json.loads(path.read_text())
 
 
