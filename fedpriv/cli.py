@@ -32,8 +32,7 @@ from fedpriv.launcher import run_flower
 def cmd_run(args: argparse.Namespace) -> int:
     from fedpriv import checkpoint
     from fedpriv.engine import run_in_process
-    from fedpriv.learning_curve import curve_path
-    from fedpriv.outputs import output_lines, release_path, write_outputs
+    from fedpriv.outputs import output_lines, release_path, run_files, write_outputs
     from fedpriv.privacy.accounting import InfeasiblePlanError
     from fedpriv.registry import get_algorithm
     from fedpriv.server import check_run, silent_run, summary_lines
@@ -58,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
         print(f"fedpriv: invalid config: {err}", file=sys.stderr)
         return 2
-    for stale in (out, release_path(out), curve_path(out)):
+    for stale in run_files(out):
         if stale.exists():
             stale.unlink()  # never report a stale file as this run's result
     if args.engine == "inprocess":

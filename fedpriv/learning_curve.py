@@ -19,10 +19,10 @@ from typing import Any
 
 CURVE_SUFFIX = ".curve.png"
 CURVE_METRICS = ("accuracy", "accuracy_p10", "test_loss")  # what a point carries
-# what is drawn, when the metrics have it: (metric, axis title, line label)
-_PANELS = (("accuracy", "mean per-user test accuracy", "mean user"),
-           ("accuracy_p10", "mean per-user test accuracy", "10th-percentile user"),
-           ("test_loss", "test loss (mean per user)", "mean user"))
+# the two panels: (axis title, its lines as (metric, label))
+_PANELS = (("per-user test accuracy", (("accuracy", "mean user"),
+                                       ("accuracy_p10", "10th-percentile user"))),
+           ("test loss (mean per user)", (("test_loss", "mean user"),)))
 
 
 def curve_path(results_path: str | os.PathLike) -> Path:
@@ -69,13 +69,11 @@ def plot_curve(report: Mapping[str, Any], path: str | os.PathLike) -> Path | Non
 
     xs = [p["round"] for p in points]
     fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.2), dpi=110)
-    for ax, keys in zip(axes, (("accuracy", "accuracy_p10"), ("test_loss",)), strict=True):
-        for key, style, face in zip(keys, ("-", "--"), ("C0", "white"), strict=False):
-            ys = [p.get(key, float("nan")) for p in points]
-            title, label = next((t, lab) for k, t, lab in _PANELS if k == key)
-            ax.plot(xs, ys, linestyle=style, marker="o", color="C0", markerfacecolor=face,
-                    label=label)
-            ax.set_ylabel(title)
+    for ax, (title, lines) in zip(axes, _PANELS, strict=True):
+        for (key, label), style, face in zip(lines, ("-", "--"), ("C0", "white"), strict=False):
+            ax.plot(xs, [p.get(key, float("nan")) for p in points], linestyle=style,
+                    marker="o", color="C0", markerfacecolor=face, label=label)
+        ax.set_ylabel(title)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedpriv.learning_curve import curve_path, curve_points, plot_curve
+
 RELEASE_SUFFIX = ".release.json"
 OPERATOR_DOCUMENT = ("fedpriv OPERATOR REPORT: exact metrics, per-round counts, timings and seeds "
                      "computed from the users' data. NOT private; do not publish. What may leave "
@@ -50,6 +52,13 @@ def release_path(results_path: str | os.PathLike) -> Path:
     """Where the release of a run whose operator report is at ``results_path`` goes."""
     p = Path(results_path)
     return p.with_name(p.stem + RELEASE_SUFFIX)
+
+
+def run_files(results_path: str | os.PathLike) -> tuple[Path, Path, Path]:
+    """Every file a run writes: its operator report at ``results_path``, and beside it its
+    release and (with ``eval-every``) its learning curve."""
+    p = Path(results_path)
+    return p, release_path(p), curve_path(p)
 
 
 def publishable(report: Mapping[str, Any]) -> tuple[bool, str]:
@@ -95,8 +104,6 @@ def write_outputs(report: Mapping[str, Any],
     (operator report, release) as absolute paths. A run with ``eval-every`` also gets its
     learning curve beside the operator report (``fedpriv.learning_curve``: exact, operator
     only)."""
-    from fedpriv.learning_curve import curve_path, plot_curve
-
     target = Path(path).expanduser().resolve()
     released = release_path(target)
     operator = {"document": OPERATOR_DOCUMENT.format(release=released.name),
@@ -110,8 +117,6 @@ def write_outputs(report: Mapping[str, Any],
 
 def output_lines(report_path: Path, release: Path, report: Mapping[str, Any]) -> list[str]:
     """What ``fedpriv run`` prints at the end: which file is which."""
-    from fedpriv.learning_curve import curve_path, curve_points
-
     ok, why = publishable(report)
     state = "publishable" if ok else f"NOT publishable: {why}"
     lines = [f"fedpriv: operator report (exact, not private; do not publish): {report_path}",

@@ -155,8 +155,8 @@ def plot_curves(spec: SweepSpec, runs_dir: Path, path: Path) -> Path | None:
     series = list(dict.fromkeys(run.series for run in spec.runs))
     for ax, eps in zip(axes.flat, spec.epsilons, strict=False):
         for i, name in enumerate(series):
-            cell, free = table.get((name, eps)), (name, eps) not in table
-            cell = cell if cell is not None else table.get((name, None), {})
+            free = (name, eps) not in table  # epsilon-free (or this epsilon not run)
+            cell = table.get((name, None), {}) if free else table[(name, eps)]
             color = f"C{i % 10}"
             if None in cell:  # no rounds: its final value
                 ax.axhline(sum(cell[None]) / len(cell[None]), color=color, linestyle=":",

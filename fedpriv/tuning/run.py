@@ -41,8 +41,7 @@ from typing import Any
 from fedpriv.config import RunConfig
 from fedpriv.config_files import toml_value
 from fedpriv.engine import run_in_process, write_results
-from fedpriv.learning_curve import curve_path
-from fedpriv.outputs import release_path, write_outputs
+from fedpriv.outputs import run_files, write_outputs
 from fedpriv.privacy.accounting import EventKey
 from fedpriv.tuning.budget import Budget, calibrate_tuning
 from fedpriv.tuning.spec import TuneSpec
@@ -133,15 +132,17 @@ def select(rows: list[dict[str, Any]], maximize: bool) -> dict[str, Any]:
     return min(rows, key=ranking(maximize))
 
 
-_OUTPUTS = ("tuning-report.json", "candidates.csv", "winner.json", "winner.release.json",
-            "winner.curve.png", "winner.toml", "rerun.json", "rerun.release.json",
-            "rerun.curve.png")
+_OUTPUTS = ("tuning-report.json", "candidates.csv", "winner.toml")
+_RUNS = ("winner.json", "rerun.json")  # with each, the files ``outputs.run_files`` names
 
 
 def _clear(out: Path) -> None:
     """Remove what an earlier tuning left in ``out`` (never anything else)."""
     for name in _OUTPUTS:
         (out / name).unlink(missing_ok=True)
+    for name in _RUNS:
+        for path in run_files(out / name):
+            path.unlink(missing_ok=True)
     for pattern in ("candidate-*.json", "candidate-*.png"):
         for old in (out / "candidates").glob(pattern):
             old.unlink()
@@ -158,8 +159,8 @@ def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[
     if run_flower(config, values, path, keep_superlink=False, quiet=True,
                   session=session) != 0:
         raise RuntimeError(f"the Flower run of {path.name} failed")
-    release_path(path).unlink(missing_ok=True)  # a candidate's own release is not published
-    curve_path(path).unlink(missing_ok=True)  # nor its curve: the in-process candidates have none
+    for beside in run_files(path)[1:]:  # a candidate's own release (and curve) is not kept:
+        beside.unlink(missing_ok=True)  # the in-process candidates write the report alone
     return json.loads(path.read_text())
 
 
@@ -266,13 +267,16 @@ def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         writer.writerows(rows)
 
 
+# the family's headline metric, exact (operator only), shown in the table: the linear MSE, a deep
+# model's test accuracy, a classifier's, a meta-learner's transfer risk
+HEADLINE_METRICS = ("population_mse", "accuracy", "test_accuracy", "transfer_risk")
+
+
 def table_lines(report: dict[str, Any], score: str, maximize: bool = False,
                 limit: int = 40) -> list[str]:
     """The candidates as a Markdown table (best first)."""
     rows = sorted(report["candidates"], key=ranking(maximize))
     keys = list(report["space"])
-    # the family's headline metric, exact (operator only): the linear MSE, a deep model's
-    # test accuracy, a meta-learner's transfer risk
     shown = [m for m in HEADLINE_METRICS if any(m in r for r in rows)][:1]
     head = ["#", *keys, f"private {score}", *(f"{m} (exact)" for m in shown)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -283,5 +287,3 @@ def table_lines(report: dict[str, Any], score: str, maximize: bool = False,
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
-
-HEADLINE_METRICS = ("population_mse", "accuracy", "test_accuracy", "transfer_risk")
