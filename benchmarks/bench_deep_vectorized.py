@@ -123,14 +123,14 @@ def main() -> None:
         for count in (args.users, args.loop_users):
             ids = np.arange(count)
             block = user_block(problem, ids)
-            first, second = disjoint_batches(0, 1, ids, block.counts, block.y.shape[1],
-                                             problem.batch_size)
-            work.append((block, first, second))
+            first, second, mask = disjoint_batches(0, 1, ids, block.counts,
+                                                   block.y.shape[1], problem.batch_size)
+            work.append((block, first, second, mask))
         best = [float("inf")] * 3
         paths = [0, 1, 2] if cls.trains == "model" else [0, 1]
         for _ in range(args.repeats):  # best of the repeats, the paths interleaved
             for path in paths:
-                block, first, second = work[1 if path == 1 else 0]
+                block, first, second, mask = work[1 if path == 1 else 0]
                 t0 = time.perf_counter()
                 if path == 2:  # the ceiling: the vectorized users as one batch
                     for lo in range(0, len(block.user_ids), size):
@@ -144,7 +144,8 @@ def main() -> None:
                         for lo in range(0, len(block.user_ids), size):
                             part = slice(lo, lo + size)
                             out = cls.clipped_work(cfg, problem, model, block.part(part),
-                                                   first[part], second[part], cfg.clip_norm)
+                                                   first[part], second[part], mask[part],
+                                                   cfg.clip_norm)
                 else:
                     updates = loop_round(cfg, problem, model, block, first, second, cls.trains)
                     out = dm.clipped_sum(updates, cfg.clip_norm)

@@ -59,9 +59,9 @@ def alignment(config: RunConfig, users: int, released: np.ndarray | None) -> tup
         for lo in range(0, users, size):
             ids = np.arange(lo, min(users, lo + size))
             block = user_block(problem, ids)
-            first, second = disjoint_batches(config.seed, 1, ids, block.counts,
-                                             block.y.shape[1], problem.batch_size)
-            updates.append(cls.local_work(config, problem, model, block, first, second))
+            first, second, mask = disjoint_batches(config.seed, 1, block.keys, block.counts,
+                                                   block.y.shape[1], problem.batch_size)
+            updates.append(cls.local_work(config, problem, model, block, first, second, mask))
     stacked = torch.cat(updates)
     return dm.clipped_mean_alignment(stacked), stacked.shape[1]
 

@@ -21,7 +21,7 @@ import fedpriv.algorithms.catalogue  # noqa: F401
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.deep.params import FILE_SOURCES
-from fedpriv.cohorts import node_step, partition_users
+from fedpriv.cohorts import node_step
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import algorithm_for
 from fedpriv.faults import corrupted, failing_partitions
@@ -78,7 +78,7 @@ def _answer(msg: Message, context: Context) -> Message:
         msg.content) else {}
     decoded = time.perf_counter()
     contrib = node_step(algorithm, config, step, arrays,
-                        partition_users(config.num_users, pid, parts))
+                        algorithm.hosted_users(config, pid, parts))
     computed = time.perf_counter()
     if faulty and config.node_fault_kind == "corrupt":
         contrib = corrupted(contrib)

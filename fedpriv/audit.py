@@ -29,7 +29,6 @@ import numpy as np
 from scipy.stats import beta
 
 from fedpriv.algorithms.base import UserContribution
-from fedpriv.cohorts import partition_users
 from fedpriv.config import RunConfig
 from fedpriv.privacy.accounting import epsilon_of, mean_sensitivity
 from fedpriv.randomness import server_generator
@@ -95,7 +94,7 @@ def _release_samples(config: RunConfig, trials: int, noise_scale: float) -> tupl
         raise ValueError("the audit covers Gaussian releases (not the exponential mechanism)")
     part = step.parts[0]
     cls = type(server.algorithm)
-    users = cls.participants(config, step, partition_users(config.num_users, 0, 1))
+    users = cls.participants(config, step, cls.hosted_users(config, 0, 1))
     honest = cls.user_step(config, step, server.payload(step), users)
     canary_total = np.zeros(part.shape)
     canary_total.flat[0] = part.clip_norm  # the largest contribution, along coordinate 0

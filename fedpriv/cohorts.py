@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.base import Step, UserContribution
+from fedpriv.algorithms.base import Step, UserContribution, partition_users
 from fedpriv.data.synthetic import SyntheticProblem, UserData, generate_users
+
+__all__ = ["partition_users"]  # re-exported: where the node layout is looked up
 
 BLOCK_USERS_ENV = "FEDPRIV_BLOCK_USERS"
 CACHE_MB_ENV = "FEDPRIV_CACHE_MB"
@@ -32,15 +34,6 @@ def block_users() -> int:
     if value < 1:
         raise ValueError(f"{BLOCK_USERS_ENV} must be >= 1, got {value}")
     return value
-
-
-def partition_users(num_users: int, partition_id: int, num_partitions: int) -> np.ndarray:
-    """Users of a partition: a contiguous, near-equal slice of ``range(num_users)``."""
-    if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
-    start = partition_id * num_users // num_partitions
-    stop = (partition_id + 1) * num_users // num_partitions
-    return np.arange(start, stop, dtype=np.int64)
 
 
 def auto_num_nodes(num_users: int, users_per_node: int) -> int:

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from fedpriv.cohorts import auto_num_nodes, node_step, partition_users
+from fedpriv.cohorts import auto_num_nodes, node_step
 from fedpriv.config import RunConfig
 from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.server import NodeReply, PrivateServer
@@ -35,7 +35,7 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None, log=pri
                     replies.append(simulated_failure(p, config.node_fault_kind))
                     continue
                 contrib = node_step(algorithm_cls, config, step, arrays,
-                                    partition_users(config.num_users, p, parts))
+                                    algorithm_cls.hosted_users(config, p, parts))
                 replies.append(NodeReply(p, corrupted(contrib) if p in failing else contrib))
             server.aggregate(step, replies, t0)
     finally:

@@ -31,13 +31,23 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 def user_uniforms(
     seed: int, purpose: int, round_index: int, user_ids: np.ndarray, count: int
 ) -> np.ndarray:
-    """Uniform [0, 1) numbers, shape (len(user_ids), count), a pure function of the arguments."""
+    """Uniform [0, 1) numbers, shape (len(user_ids), count), a pure function of the arguments:
+    entry (i, j) depends on (seed, purpose, round, user_ids[i], j) alone."""
+    return uniforms_at(seed, purpose, round_index, np.asarray(user_ids)[:, None],
+                       np.arange(count)[None, :])
+
+
+def uniforms_at(seed: int, purpose: int, round_index: int, user_ids: np.ndarray,
+                counters: np.ndarray) -> np.ndarray:
+    """``user_uniforms``' number of each (user id, counter) pair, the two arrays broadcast
+    against each other (e.g. one entry per row of a table: its user and its place among that
+    user's rows)."""
     with np.errstate(over="ignore"):
         key = _splitmix64(np.uint64(seed & 0xFFFFFFFF) << np.uint64(32) | np.uint64(purpose))
         key = _splitmix64(key ^ np.uint64(round_index & 0xFFFFFFFFFFFF))
-        ids = _splitmix64(np.asarray(user_ids, dtype=np.uint64) ^ key)
-        counters = np.arange(count, dtype=np.uint64)
-        bits = _splitmix64(ids[:, None] * np.uint64(0x100000001B3) ^ counters[None, :])
+        ids = _splitmix64(np.asarray(user_ids).astype(np.uint64) ^ key)
+        bits = _splitmix64(ids * np.uint64(0x100000001B3)
+                           ^ np.asarray(counters).astype(np.uint64))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

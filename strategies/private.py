@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -130,7 +131,11 @@ class PrivateStrategy(Strategy):
     @staticmethod
     def _to_node_reply(pid: int, reply: Message) -> NodeReply:
         if reply.has_error():
-            return NodeReply(pid, error=f"{reply.error.code}: {reply.error.reason}"[:300])
+            lost = reply.error.code in (ErrorCode.MESSAGE_UNAVAILABLE,
+                                        ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+                                        ErrorCode.NODE_UNAVAILABLE)
+            return NodeReply(pid, error=f"{reply.error.code}: {reply.error.reason}"[:300],
+                             failure="unavailable" if lost else "node-error")
         try:
             metrics = reply.content[P.METRICS]
             totals = {name: array.numpy() for name, array in reply.content[P.ARRAYS].items()}

@@ -126,8 +126,8 @@ def test_a_round_in_the_nodes_chunks_equals_clipping_each_users_update(algorithm
     spec, b = problem.spec, problem.batch_size
     model = torch.from_numpy(spec.initial(0))
     block = user_block(problem, ids)
-    first, second = disjoint_batches(cfg.seed, 1, ids, block.counts, block.y.shape[1], b)
-    updates = cls.local_work(cfg, problem, model, block, first, second)  # vmap, per user
+    first, second, mask = disjoint_batches(cfg.seed, 1, ids, block.counts, block.y.shape[1], b)
+    updates = cls.local_work(cfg, problem, model, block, first, second, mask)  # vmap, per user
     norms = torch.linalg.vector_norm(updates, dim=1).sort().values
     clip = float(norms[5:7].mean())  # between two users' norms: half of them clipped
     expected, clipped = dm.clipped_sum(updates, clip)

@@ -572,12 +572,13 @@ def test_simulation_attaches_to_an_existing_ray_cluster(processes):
 @pytest.mark.integration
 def test_supernodes_read_only_their_own_users_rows_of_their_own_data_file(processes):
     """Deep Private FedRep on your own CSV table, deployed: the run config's data-file (what the
-    server reads) has junk for every feature, so it can read only the user, split and label
-    columns; each SuperNode's node config names its own copy, junk in every row but its own
-    users' (parsing any other row fails the run). The run equals the in-process run on the
-    clean file."""
-    from fedpriv.cohorts import partition_users
+    server sees) is the header alone: the server reads no user's row; each SuperNode's node
+    config names its own copy, junk in every row but its own users' (a node that parsed
+    another row would isolate that user and change the result). The run equals the
+    in-process run on the clean file."""
+    from fedpriv.algorithms.deep.problem import hosted_positions
     from fedpriv.config import RunConfig
+    from fedpriv.data.partition import user_keys
     from fedpriv.engine import run_in_process
     from tests.test_tables import KEYS, ROWS, USERS, write_csv
 
@@ -586,9 +587,9 @@ def test_supernodes_read_only_their_own_users_rows_of_their_own_data_file(proces
     nodes = 2
     ids = np.unique([r[0] for r in ROWS])
     for i in range(nodes):
-        own = set(ids[partition_users(USERS, i, nodes)].tolist())
+        own = set(ids[hosted_positions("natural", user_keys(ids), USERS, i, nodes)].tolist())
         write_csv(data / f"node-{i}.csv", junk=lambda k, own=own: ROWS[k][0] not in own)
-    write_csv(data / "server.csv", junk=lambda k: True)
+    write_csv(data / "server.csv", rows=[])  # the header only
     settings = {**KEYS, "dataset": "csv", "data-file": str(data / "server.csv"),
                 "users-per-node": USERS // nodes}
     settings.pop("checkpoint")

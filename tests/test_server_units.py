@@ -51,6 +51,7 @@ def test_the_checker_rejects_a_nan_sum_and_a_wrong_shape_and_counts_them():
 HOSTILE = {  # kind: (step, reply) that must be rejected as that kind
     "node-error": (ROUND, NodeReply(0, error="crashed")),
     "timeout": (ROUND, NodeReply(0, error="no reply", failure="timeout")),
+    "unavailable": (ROUND, NodeReply(0, error="5: node unavailable", failure="unavailable")),
     "malformed": (ROUND, NodeReply(0, UserContribution(contribution().totals, 100, 101))),
     "unknown-partition": (ROUND, NodeReply(7, contribution())),
     "duplicate": (ROUND, NodeReply(1, contribution(200))),  # after an honest partition 1

@@ -1,14 +1,13 @@
 """Your own data as a CSV or Parquet table: the same arrays as the npz of the same data, a node
-that reads only its own users' rows (and a server that reads only the id, split and label
-columns), the same run as the npz, and every malformed table named before the run."""
+that reads only its own users' rows (and a server that reads no row at all: the header is all
+it needs), the same run as the npz, and every malformed table named before the run."""
 
 import csv
 
 import numpy as np
 import pytest
 
-from fedpriv.algorithms.deep.problem import problem_of, user_block
-from fedpriv.cohorts import partition_users
+from fedpriv.algorithms.deep.problem import hosted_positions, model_of, problem_of, user_block
 from fedpriv.config import RunConfig
 from fedpriv.data import tables
 from fedpriv.data.partition import partition
@@ -19,7 +18,7 @@ from fedpriv.params import ConfigError
 USERS = 24
 KEYS = {"algorithm": "deep-private-fedrep", "num-users": USERS, "hidden-sizes": "16",
         "rounds": 2, "checkpoint": False, "epsilon": 2.0, "delta": 1e-5,
-        "partition": "natural"}
+        "partition": "natural", "num-classes": 10}
 
 
 def _digits_by_user():
@@ -99,7 +98,7 @@ def test_a_table_is_the_same_data_as_the_npz_of_its_rows(tmp_path, fmt):
     for name in ("x_train", "y_train", "x_test", "y_test", "user_train", "user_test"):
         ours, theirs = getattr(table, name), getattr(npz, name)
         assert np.array_equal(ours.reshape(len(ours), -1), theirs.reshape(len(theirs), -1)), name
-    assert table.num_classes == npz.num_classes == 10
+    assert table.num_classes == npz.num_classes == 0  # a file's classes are declared
     assert table.user_train.dtype == np.int64  # integer ids sort as integers (9 < 10)
 
 
@@ -118,7 +117,8 @@ def test_a_node_reads_only_the_row_groups_of_its_own_users(tmp_path, monkeypatch
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
     node = problem_of(cfg("parquet", path, data_part="1/4"))
-    own = partition_users(USERS, 1, 4)
+    own = hosted_positions("natural", full.keys, USERS, 1, 4)
+    assert 0 < len(own) < USERS / 2
     own_rows = sum(int(full.users.train.counts[u]) for u in own)
     assert node.source.x_train.shape[0] == own_rows < full.source.x_train.shape[0] / 3
     ordered = sorted(ROWS, key=lambda r: r[0])
@@ -131,23 +131,30 @@ def test_a_node_reads_only_the_row_groups_of_its_own_users(tmp_path, monkeypatch
         mine, theirs = user_block(node, own, split), user_block(full, own, split)
         assert np.array_equal(mine.x.numpy(), theirs.x.numpy())
         assert np.array_equal(mine.y.numpy(), theirs.y.numpy())
+    other = np.setdiff1d(np.arange(USERS), own)[0]
     with pytest.raises(DatasetError, match="did not load"):
-        user_block(node, np.array([0]), "train")  # user 0 is node 0's
+        user_block(node, np.array([other]), "train")  # another node's user
 
 
-def test_a_csv_node_parses_only_its_own_rows_and_the_server_only_the_id_columns(tmp_path):
-    """Features of every row but node 2's are not numbers: node 2 and the server's checks
-    still read the file, because they never parse them; reading every row fails."""
+def test_a_csv_node_parses_only_its_own_rows_and_the_server_reads_no_row(tmp_path):
+    """Features of every row but node 2's are not numbers: node 2 still reads the file,
+    because it never parses them; a load of every row isolates the junk rows' users (nan);
+    the server builds the model from the header alone (its copy may hold nothing else)."""
     ids = np.unique([r[0] for r in ROWS])
-    own_ids = set(ids[partition_users(USERS, 2, 3)].tolist())
+    full = problem_of(cfg("csv", write_csv(tmp_path / "clean.csv")), features=False)
+    own = hosted_positions("natural", full.keys, USERS, 2, 3)
+    own_ids = set(ids[own].tolist())
     path = write_csv(tmp_path / "d.csv", junk=lambda i: ROWS[i][0] not in own_ids)
     node = problem_of(cfg("csv", path, data_part="2/3"))
     assert np.isfinite(node.source.x_train).all() and len(node.source.x_train) > 0
-    server = problem_of(cfg("csv", path), features=False)
-    assert server.source.x_train.shape == (0, 64) and server.spec.input_shape == (64,)
-    assert np.array_equal(server.users.train.counts, node.users.train.counts)
-    with pytest.raises(ConfigError, match="not a finite number"):
-        problem_of(cfg("csv", path))
+    header_only = tmp_path / "server.csv"
+    header_only.write_text(path.read_text().splitlines()[0] + "\n")
+    get_validated(cfg("csv", header_only))
+    assert model_of(cfg("csv", header_only)).input_shape == (64,)
+    everything = problem_of(cfg("csv", path))
+    for u in range(USERS):
+        x = user_block(everything, np.array([u])).x[0, :everything.users.train.counts[u]]
+        assert bool(x.isnan().all()) == (int(ids[u]) not in own_ids)
     # the CLI's check before a run of this file reads every feature: the first junk cell
     first_junk = next(i for i in range(len(ROWS)) if ROWS[i][0] not in own_ids)
     with pytest.raises(ConfigError, match=f"line {first_junk + 2}, column 3: 'junk' is not a "
@@ -169,9 +176,13 @@ def test_a_run_on_a_table_equals_the_run_on_the_npz(tmp_path):
 @pytest.mark.parametrize(("header", "rows", "match"), [
     (["user", "label", "px0"], None, "lacks the column.*split"),
     (["user", "split", "label"], None, "no feature columns"),
-    (None, [(1, "validation", 0, np.zeros(64))], "split = 'validation'; it must be 'train' or "
-                                                 "'test'"),
-    (None, [(1, "train", -1, np.zeros(64))], "labels must be integers >= 0"),
+    (None, [(1, "validation", 0, np.zeros(64))], "row 0 \\(line 2\\) has split = "
+                                                 "'validation'; it must be 'train' or 'test'"),
+    (None, [(1, "train", -1, np.zeros(64))], "row 0 \\(line 2\\) has a label outside the "
+                                             "declared classes 0..9 \\(num-classes = 10"),
+    (None, [(1, "train", 0, np.zeros(64)), (2, "test", 10, np.zeros(64))],
+     "row 1 \\(line 3\\) has a label outside the declared classes"),
+    (None, [(1, "train", "one", np.zeros(64))], "row 0 \\(line 2\\) has a label outside"),
 ])
 def test_a_malformed_table_fails_before_the_run_naming_the_problem(tmp_path, header, rows,
                                                                      match):
@@ -182,7 +193,7 @@ def test_a_malformed_table_fails_before_the_run_naming_the_problem(tmp_path, hea
         for user, split, label, x in rows or [(1, "train", 0, np.zeros(64))]:
             out.writerow([user, split, label, *x][:len(header or [0] * 67)])
     with pytest.raises(ConfigError, match=match):
-        get_validated(cfg("csv", path))
+        checked(get_validated(cfg("csv", path)))
 
 
 def test_missing_files_and_keys_fail_before_the_run(tmp_path):
@@ -195,13 +206,16 @@ def test_missing_files_and_keys_fail_before_the_run(tmp_path):
     ragged = tmp_path / "ragged.csv"
     ragged.write_text("user,split,label,px0\n1,train,0,0.5\n2,train,1\n")
     with pytest.raises(ConfigError, match="line 3 has 3 fields"):
-        get_validated(cfg("csv", ragged))
+        checked(cfg("csv", ragged))
+    with pytest.raises(ConfigError, match="num-classes: dataset = \"csv\" needs num-classes"):
+        cfg("csv", ragged, num_classes=0)
 
 
 def get_validated(config):
     from fedpriv.registry import get_algorithm
 
     get_algorithm(config.algorithm).validate(config)
+    return config
 
 
 def test_table_source_of_no_rows_holds_shapes_and_labels_only(tmp_path):
@@ -267,8 +281,8 @@ def test_a_bad_cell_is_named_by_the_line_its_record_starts_on(tmp_path):
     with pytest.raises(tables.TableError, match="line 4, column 5: 'x'"):
         tables.check_features(path, "csv")
     columns = tables.table_columns(path, "csv")
-    with pytest.raises(tables.TableError, match="line 4, column 5"):
-        tables.table_rows(columns, np.array([1]))
+    # a node reads it as nan: the user of that row is isolated (zero contribution)
+    assert np.isnan(tables.table_rows(columns, np.array([1]))[0, 1])
     path.write_text('user,split,label,px0,px1\n"user\none",train,0,0.5,1\n'
                     'two,train,1,3,4.0\n')  # mended: a new size and time, checked again
     tables.check_features(path, "csv")
@@ -301,9 +315,9 @@ def test_a_parquet_feature_that_is_missing_or_not_finite_fails_before_the_run(tm
                                     pa.array([str(v) for v in column])), texts)
     with pytest.raises(ConfigError, match="'px3' has type string"):
         checked(cfg("parquet", texts))
-    # a node reading its rows (no full check) still refuses the non-finite value
-    with pytest.raises(ConfigError, match="non-finite feature"):
-        problem_of(cfg("parquet", bad))
+    # a node reading its rows (no full check) keeps the value: its user is isolated
+    source = problem_of(cfg("parquet", bad)).source
+    assert np.isnan(source.x_train).sum() + np.isnan(source.x_test).sum() == 1
 
 
 @pytest.mark.parametrize("value", [np.inf, 1e39])
@@ -314,9 +328,10 @@ def test_an_npz_with_non_finite_features_is_refused(tmp_path, value):
     arrays["x_test"] = arrays["x_test"].astype(np.float64)
     arrays["x_test"][3, 5] = value
     np.savez(path, **arrays)
-    with pytest.raises(ConfigError, match="x_test holds 1 values that are not finite numbers "
-                                          "in float32"):
-        get_validated(cfg("npz", path))
+    with pytest.raises(ConfigError, match="x_test row 3 holds a value that is not a finite "
+                                          "number in float32"):
+        checked(cfg("npz", path))
+    get_validated(cfg("npz", path))  # the server reads the array header only
 
 
 def test_an_npz_of_boolean_features_is_numbers(tmp_path):
@@ -335,11 +350,15 @@ def test_a_run_config_may_not_set_what_a_node_sets_for_itself(tmp_path):
         cfg("csv", path, data_part="0/2", strict=True)
 
 
-def test_natural_users_below_the_files_count_are_the_smallest_ids(tmp_path):
+def test_natural_users_are_every_user_of_the_file_in_id_order(tmp_path):
+    """num-users is the public population the releases divide by: it cuts no user out (a cut
+    at the smallest ids would let an added user push another one out)."""
     path = write_csv(tmp_path / "d.csv")
     problem = problem_of(cfg("csv", path, num_users=5))
     ids = np.unique([r[0] for r in ROWS])  # integers, in numeric order
-    for u in range(5):
+    assert len(problem.users.train.counts) == USERS
+    assert np.array_equal(problem.keys, ids)  # each user's randomness key is its own id
+    for u in range(USERS):
         block = user_block(problem, np.array([u]))
         expected = [r for r in ROWS if r[0] == ids[u] and r[1] == "train"]
         assert block.counts[0] == len(expected)

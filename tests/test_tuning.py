@@ -461,15 +461,17 @@ def test_held_back_rows_are_a_seeded_per_user_split_of_the_training_rows():
     from fedpriv.data.partition import Rows
 
     train = Rows.from_lists([np.arange(10, 16), np.arange(20, 23), np.arange(30, 40)])
-    kept, held = held_back(train, 2, seed=4)
-    assert list(held.counts) == [2, 2, 2] and list(kept.counts) == [4, 1, 8]
+    keys = np.array([4, 9, 2])  # the users' own randomness keys
+    kept, held = held_back(train, 2, seed=4, keys=keys)
+    # user 1 has 3 rows: it holds back 1 and keeps 2 to train on (two batches), by itself
+    assert list(held.counts) == [2, 1, 2] and list(kept.counts) == [4, 2, 8]
     for u in range(3):
         mine = set(train.rows[train.offsets[u]:train.offsets[u + 1]].tolist())
         k = kept.rows[kept.offsets[u]:kept.offsets[u + 1]].tolist()
         h = set(held.rows[held.offsets[u]:held.offsets[u + 1]].tolist())
         assert set(k) | h == mine and not set(k) & h  # a split of the user's own rows
         assert k == sorted(k)  # the rows trained on keep their order
-    again, other = held_back(train, 2, seed=4), held_back(train, 2, seed=5)
+    again, other = held_back(train, 2, 4, keys), held_back(train, 2, 5, keys)
     assert np.array_equal(again[1].rows, held.rows)  # nodes agree
     assert not np.array_equal(other[1].rows, held.rows)
 
@@ -509,11 +511,14 @@ def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
     assert released["noise_std"] == pytest.approx(z / (2 * 100), rel=1e-6)
     assert released["value"] != released["exact_clipped"]
     assert "accuracy" in results["metrics"]  # the reported metrics stay the test rows'
+    # a user with fewer rows than the hold-back plus two batches' worth is not refused: it
+    # holds back fewer (its own computation), the others are as they were
     smallest = int(full.users.train.counts.min())
-    with pytest.raises(ConfigError, match=f"validation-samples-per-user: user .* has {smallest} "
-                                          f"training rows; holding back {smallest - 1}"):
-        RunConfig.from_mapping({**keys, "metrics-split": "validation",
-                                "validation-samples-per-user": smallest - 1})
+    greedy = problem_of(RunConfig.from_mapping({**keys, "metrics-split": "validation",
+                                                "validation-samples-per-user": smallest - 1}))
+    counts = full.users.train.counts
+    assert np.array_equal(greedy.validation.counts, np.minimum(smallest - 1, counts - 2))
+    assert int(greedy.users.train.counts.min()) == 2
 
 
 def write_deep(tmp_path):

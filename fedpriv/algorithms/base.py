@@ -95,6 +95,15 @@ class Step:
                    raw["group"])
 
 
+def partition_users(num_users: int, partition_id: int, num_partitions: int) -> np.ndarray:
+    """Users of a partition: a contiguous, near-equal slice of ``range(num_users)``."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
+    start = partition_id * num_users // num_partitions
+    stop = (partition_id + 1) * num_users // num_partitions
+    return np.arange(start, stop, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class UserContribution:
     """What a node sends for one step: per-part sums over its users and how many users."""
@@ -161,6 +170,13 @@ class Algorithm:
         ``fedpriv deploy submit`` (each SuperNode may read its own copy, and the server's copy
         may lack real features). Raise ``ConfigError`` naming the key; nothing by default."""
 
+    @classmethod
+    def input_notes(cls, config: Any) -> list[str]:
+        """Remarks on the run's input data for the operator, printed by ``fedpriv run`` before
+        the run (read from the operator's own copy of the data; never released): nothing by
+        default."""
+        return []
+
     def privacy_plan(self) -> list[PlannedRelease]:
         """Every private release one user takes part in, with budget weights."""
         raise NotImplementedError
@@ -200,6 +216,20 @@ class Algorithm:
         return {}
 
     # ----- both sides ------------------------------------------------------------------------
+    @classmethod
+    def hosted_users(cls, config: Any, partition_id: int, num_partitions: int) -> np.ndarray:
+        """The users node ``partition_id`` of ``num_partitions`` hosts (default: a contiguous
+        slice of ``range(num-users)``)."""
+        return partition_users(config.num_users, partition_id, num_partitions)
+
+    @classmethod
+    def public_hosting(cls, config: Any) -> bool:
+        """Whether ``hosted_users`` is a function of public values, so that the server knows
+        each node's user count (and checks and bounds its replies by it). False where it needs
+        the users' data (natural users of a file): the server then takes each node's count
+        from its reply, and reads no data."""
+        return True
+
     @classmethod
     def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
         """The users among ``user_ids`` that take part in ``step`` (default: all of them).

@@ -27,7 +27,8 @@ TEST_SAMPLES = Param("test-samples-per-user", int, 10, "fresh test points per us
 VALIDATION_SAMPLES = Param("validation-samples-per-user", int, 10, "held-back validation points "
                            "per user, never trained on (synthetic data: a stream of their own; "
                            "real data: rows held back from the user's training rows, only "
-                           "with `metrics-split = \"validation\"`): what that split evaluates, "
+                           "with `metrics-split = \"validation\"`, fewer for a user with fewer "
+                           "than this plus 2 rows): what that split evaluates, "
                            "and `fedpriv tune` scores candidates on", lambda x: x >= 1,
                            "an integer >= 1")
 

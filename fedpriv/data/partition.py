@@ -15,7 +15,8 @@ Both are recomputed here in NumPy, draw for draw (the core never imports Flower'
   builds one ``datasets.Dataset`` per user: about 10 s for 6,000 users here, extrapolated from
   50 measured partitions, against
   milliseconds for the permutation, so the permutation is computed directly.)
-* ``natural``: the data's own user column (``Source.user_train``); user i is the i-th smallest id.
+* ``natural``: the data's own user column (``Source.user_train``): every user of the file, user i
+  the i-th smallest id, each with a randomness key of its own id (``user_keys``).
 
 Test rows follow each user's training distribution: for every class, the test rows of that class
 are shared among the users holding it in proportion to their training rows of the class (the
@@ -25,6 +26,7 @@ round-robin and reused (test rows are never trained on, so sharing them costs no
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -87,16 +89,18 @@ def _partition(source: Source, scheme: str, num_users: int, seed: int, classes_p
     if scheme not in SCHEMES:
         raise PartitionError(f"partition: {scheme!r} is not one of {', '.join(SCHEMES)}")
     if scheme == "natural":
-        return _natural(source, num_users)  # the num-users smallest ids
+        return _natural(source)  # every user of the file
     labels = source.y_train
     if scheme == "iid":
         order = np.random.default_rng([seed, _IID_PURPOSE]).permutation(len(labels))
         train = np.array_split(order, num_users)
     else:
         train = _skewed_rows(labels, scheme, num_users, seed, classes_per_user, alpha)
-    counts = np.zeros((num_users, source.num_classes), dtype=np.int64)
+    classes = max(source.num_classes, int(labels.max(initial=-1)) + 1, 1)
+    counts = np.zeros((num_users, classes), dtype=np.int64)
     for user, rows in enumerate(train):
-        np.add.at(counts[user], labels[rows], 1)
+        kept = labels[rows]
+        np.add.at(counts[user], kept[kept >= 0], 1)  # -1: a cell that was not a label
     test = _cut_test(counts, source.y_test, seed)
     return Partition(Rows.from_lists(train), Rows.from_lists(test))
 
@@ -180,15 +184,31 @@ def _cut_test(counts: np.ndarray, test_labels: np.ndarray, seed: int) -> list[np
     return [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in pieces]
 
 
-def _natural(source: Source, num_users: int) -> Partition:
+def natural_ids(source: Source) -> np.ndarray:
+    """The users of data with a user column: every distinct id of its training rows, sorted
+    (integers in numeric order). Which users take part never depends on anything but each
+    user's own rows: there is no cut at num-users (which, under the natural partition, is only
+    the public population the releases divide by)."""
     if source.user_train is None or source.user_test is None:
         raise PartitionError(f"partition: 'natural' needs a user column; dataset "
                              f"{source.name!r} has none (an npz with user_train, user_test)")
-    ids = np.unique(source.user_train)
-    if num_users > len(ids):
-        raise PartitionError(f"num-users: {num_users} exceeds the {len(ids)} users of the "
-                             "data's user column")
-    ids = ids[:num_users]
+    return np.unique(source.user_train)
+
+
+def user_keys(ids: np.ndarray) -> np.ndarray:
+    """Each natural user's randomness key, a function of its own id alone: the id itself for
+    integer ids, else the first 8 bytes of the BLAKE2b hash of its text. Batches, Poisson
+    inclusion, held-back and truncated rows are drawn from (seed, key), so one user's presence
+    or id never moves another user's draws (as a rank among the ids would)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind in "iu":
+        return ids.astype(np.int64)
+    return np.array([int.from_bytes(hashlib.blake2b(str(v).encode(), digest_size=8).digest(),
+                                    "little", signed=True) for v in ids], dtype=np.int64)
+
+
+def _natural(source: Source) -> Partition:
+    ids = natural_ids(source)
 
     def rows(column: np.ndarray) -> Rows:
         order = np.argsort(column, kind="stable")

@@ -12,7 +12,12 @@ Nothing is downloaded at run time (the machines this runs on have no internet):
 * ``csv`` / ``parquet``: your own data as a table with ``user``, ``split``, ``label`` and feature
   columns (``fedpriv.data.tables``). These can be read in part: ``table_source`` with the rows a
   node needs loads only those rows' features (``Source.train_rows``/``test_rows`` say which);
-  with ``features=False`` only the id, split and label columns (all a server's checks need).
+  with ``features=False`` only the id, split and label columns (all a node's partition needs).
+
+A server reads none of a file's rows: ``data_shape`` gives one input's shape from the dataset's
+metadata or the file's header, and the classes are the built-in dataset's or the config's
+``num-classes``. ``check_npz`` (and ``fedpriv.data.tables.check_table``) refuse a bad file
+before a run; a node that meets a bad value anyway keeps it (nan), which isolates its user.
 
 Pixels are scaled to [0, 1] and standardized with constants of the dataset (not statistics of
 the users' data, which would be a release). Images keep a channel axis: (N, 1, H, W).
@@ -21,13 +26,20 @@ the users' data, which would be a release). Images keep a channel axis: (N, 1, H
 from __future__ import annotations
 
 import gzip
+import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from fedpriv.data.tables import TABLE_FORMATS, TableError, table_columns, table_rows
+from fedpriv.data.tables import (
+    TABLE_FORMATS,
+    TableError,
+    feature_names,
+    table_columns,
+    table_rows,
+)
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
@@ -51,7 +63,7 @@ class Source:
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
-    num_classes: int
+    num_classes: int  # the built-in datasets' (published); 0 for a file: num-classes declares it
     user_train: np.ndarray | None = None
     user_test: np.ndarray | None = None
     train_rows: np.ndarray | None = None
@@ -195,24 +207,84 @@ def _npz(path: Path) -> Source:
         if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
             raise DatasetError(f"data-file: {path}: x_{split} must hold numbers (it has dtype "
                                f"{x.dtype})")
+        # as the features are held; a non-finite value (``check_npz`` refuses it before a
+        # run) isolates its user on the node
         with np.errstate(over="ignore", invalid="ignore"):
-            held = arrays[f"x_{split}"] = x.astype(np.float32)  # as the features are held
-        if not np.isfinite(held).all():
-            raise DatasetError(f"data-file: {path}: x_{split} holds "
-                               f"{int(held.size - np.isfinite(held).sum())} values that are "
-                               "not finite numbers in float32 (nan, inf, or a magnitude of "
-                               "3.4e38 or more)")
-    ys = np.concatenate([arrays["y_train"], arrays["y_test"]])
-    if ys.size and (ys.min() < 0 or not np.issubdtype(ys.dtype, np.integer)):
-        raise DatasetError(f"data-file: {path}: labels must be integers >= 0")
+            arrays[f"x_{split}"] = x.astype(np.float32)
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DatasetError(f"data-file: {path}: y_{split} must hold integers (it has dtype "
+                               f"{y.dtype})")
+        users = arrays.get(f"user_{split}")
+        if users is not None and len(users) != len(y):
+            raise DatasetError(f"data-file: {path}: user_{split} must have one user id per "
+                               "row")
     users = [arrays.get("user_train"), arrays.get("user_test")]
     if (users[0] is None) != (users[1] is None):
         raise DatasetError(f"data-file: {path}: give both user_train and user_test, or neither")
     return Source("npz", arrays["x_train"], arrays["y_train"].astype(np.int64),
-                  arrays["x_test"],
-                  arrays["y_test"].astype(np.int64), int(ys.max()) + 1 if ys.size else 0,
+                  arrays["x_test"], arrays["y_test"].astype(np.int64), 0,
                   None if users[0] is None else np.asarray(users[0]),
                   None if users[1] is None else np.asarray(users[1]))
+
+
+def check_npz(path: Path, num_classes: int) -> None:
+    """Refuse, before a run, an npz whose features are not all finite in float32 or whose
+    labels are not all in ``[0, num_classes)``, naming the array and the first bad row."""
+    source = _load("npz", "", str(path), True)
+    for split in ("train", "test"):
+        x = getattr(source, f"x_{split}")
+        finite = np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+        if not finite.all():
+            raise DatasetError(f"data-file: {path}: x_{split} row {int(np.argmin(finite))} "
+                               "holds a value that is not a finite number in float32 (nan, "
+                               "inf, or a magnitude of 3.4e38 or more)")
+        y = getattr(source, f"y_{split}")
+        bad = np.flatnonzero((y < 0) | (y >= num_classes))
+        if bad.size:
+            raise DatasetError(f"data-file: {path}: y_{split} row {int(bad[0])} is "
+                               f"{int(y[bad[0]])}, outside the declared classes "
+                               f"0..{num_classes - 1} (num-classes = {num_classes}; the classes "
+                               "are shared by every user, so they cannot be counted from the "
+                               "rows)")
+
+
+BUILTIN_CLASSES = {"digits": 10, "fashion-mnist": 10}
+
+
+def data_shape(name: str, data_dir: str = "", data_file: str = "") -> tuple[int, ...]:
+    """The shape of one input, from the dataset's metadata or the file's header (npz: the
+    array header; csv/parquet: the number of feature columns), reading no row: all a server
+    needs to build the model."""
+    if name not in SOURCES:
+        raise DatasetError(f"dataset: {name!r} is not one of {', '.join(SOURCES)}")
+    if name == "digits":
+        return (1, 8, 8)
+    if name == "fashion-mnist":
+        return (1, *read_idx_shape(_idx_file(Path(data_dir or FASHION_MNIST_DIR),
+                                             "train-images-idx3-ubyte"))[1:])
+    if name in TABLE_FORMATS:
+        try:
+            return (len(feature_names(Path(data_file), name)),)
+        except TableError as err:
+            raise DatasetError(str(err)) from None
+    return _npz_shape(Path(data_file))
+
+
+def _npz_shape(path: Path) -> tuple[int, ...]:
+    """One row's shape of an npz's ``x_train``, from its array header."""
+    if not str(path) or not path.is_file():
+        raise DatasetError(f"data-file: {str(path)!r} is not a file (dataset = \"npz\" reads "
+                           "x_train, y_train, x_test, y_test [, user_train, user_test])")
+    try:
+        with zipfile.ZipFile(path) as archive, archive.open("x_train.npy") as member:
+            version = np.lib.format.read_magic(member)
+            shape, _, _ = (np.lib.format.read_array_header_1_0(member) if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0(member))
+    except KeyError:
+        raise DatasetError(f"data-file: {path} lacks x_train") from None
+    except (zipfile.BadZipFile, ValueError, OSError) as err:
+        raise DatasetError(f"data-file: {path} is not a readable npz: {err}") from None
+    return tuple(int(v) for v in shape[1:])
 
 
 def table_source(fmt: str, data_file: str, train_rows: np.ndarray | None = None,
@@ -240,5 +312,5 @@ def table_source(fmt: str, data_file: str, train_rows: np.ndarray | None = None,
     held = wanted
     labels = cols.labels
     return Source(fmt, x["train"], labels[split["train"]], x["test"], labels[split["test"]],
-                  int(labels.max()) + 1 if labels.size else 0, cols.users[split["train"]],
+                  0, cols.users[split["train"]],
                   cols.users[split["test"]], held["train"], held["test"])

@@ -1,22 +1,24 @@
 """Your own data as a table, CSV or Parquet, with one row per example: a ``user`` column (the
-natural user id), a ``split`` column (``train`` or ``test``), a ``label`` column (integers >= 0)
-and every other column a numeric feature, in file order.
+natural user id), a ``split`` column (``train`` or ``test``), a ``label`` column (integers in
+0..C-1, C = ``num-classes``) and every other column a numeric feature, in file order.
 
-Two reads, so that a SuperNode of a deployment never holds the whole file:
+Three reads, so that the server reads no user's row and a SuperNode never holds the whole file:
 
-* ``table_columns``: the ``user``, ``split`` and ``label`` columns of every row and the names of
-  the features. That is all the partition (``fedpriv.data.partition``: a pure function of labels,
-  user ids and the seed) and the checks before a run need; the server reads nothing more.
+* ``feature_names``: the header (CSV) or schema (Parquet) alone: the shape of a row, all the
+  server needs to build the model.
+* ``table_columns``: a node's read of the ``user``, ``split`` and ``label`` columns of every
+  row, which its partition needs (a label that is not an integer reads as -1: its user is
+  isolated on the node).
 * ``table_rows``: the features of the given rows only. A node asks for its own users' rows.
   Parquet is read by row group, only the groups that hold one of those rows, and only the
   feature columns; CSV has no index, so the file is streamed once and only the wanted rows are
-  parsed and kept.
+  parsed and kept (a cell that is not a number reads as nan: its user is isolated).
 
-And one check, ``check_features``, that every feature of the file is a finite number (each CSV
-row parsed and dropped; a Parquet file's feature columns read one row group at a time): the
-CLI runs it before a run on the file it was given, so that a bad cell stops the run before it
-starts rather than in a node's first round (where a Flower run would go on without that node's
-users). Neither the server nor a node runs it: they keep to the columns and rows above.
+And one check, ``check_table`` (with ``check_features``), that every split is train or test,
+every label an integer in the declared classes and every feature a finite number, naming the
+first row that is not: the CLI runs it before a run on the file it was given, from the
+operator's copy, so that a bad row stops the run before it starts. Neither the server nor a
+node runs it.
 
 Parquet needs ``pyarrow`` (``pip install pyarrow``; it comes with ``flwr-datasets``). CSV needs
 nothing but the standard library.
@@ -84,6 +86,21 @@ def _user_ids(values: list[str] | np.ndarray) -> np.ndarray:
         return array.astype(str)
 
 
+def feature_names(path: Path, fmt: str) -> tuple[str, ...]:
+    """The feature columns' names from the header (CSV) or schema (Parquet) alone: the shape
+    of every row, which is all a server needs of a table (it reads no row)."""
+    _check_file(path, fmt)
+    if fmt == "csv":
+        with open(path, newline="") as fh:
+            header = next(csv.reader(fh), None)
+        if header is None:
+            raise TableError(f"data-file: {path} is empty (a header row is needed)")
+    else:
+        header = _pyarrow().ParquetFile(path).schema_arrow.names
+    _locate(path, header)
+    return tuple(name for name in header if name not in (USER, SPLIT, LABEL))
+
+
 @lru_cache(maxsize=4)
 def table_columns(path: Path, fmt: str) -> TableColumns:
     """The id, split and label columns (cached per process), checked."""
@@ -111,19 +128,55 @@ def table_columns(path: Path, fmt: str) -> TableColumns:
         users = table.column(USER).to_numpy(zero_copy_only=False)
         splits = [str(s) for s in table.column(SPLIT).to_pylist()]
         labels = table.column(LABEL).to_pylist()
-    try:
-        label_array = np.asarray([int(v) for v in labels], dtype=np.int64)
-    except (TypeError, ValueError):
-        raise TableError(f"data-file: {path}: column {LABEL!r} must hold integers") from None
-    if label_array.size and label_array.min() < 0:
-        raise TableError(f"data-file: {path}: labels must be integers >= 0")
     split_array = np.asarray(splits, dtype=str)
-    wrong = np.flatnonzero(~np.isin(split_array, SPLITS))
-    if wrong.size:
-        raise TableError(f"data-file: {path}: row {int(wrong[0])} has {SPLIT} = "
-                         f"{str(split_array[wrong[0]])!r}; it must be 'train' or 'test'")
     features = tuple(name for name in header if name not in (USER, SPLIT, LABEL))
-    return TableColumns(path, fmt, _user_ids(users), split_array, label_array, features)
+    return TableColumns(path, fmt, _user_ids(users), split_array, _labels(labels), features)
+
+
+def _labels(values: list) -> np.ndarray:
+    """Labels as int64, -1 for a cell that is not an integer (``check_table`` refuses such a
+    file before a run; a node that meets one isolates that cell's user)."""
+    out = np.full(len(values), -1, dtype=np.int64)
+    for i, v in enumerate(values):
+        try:
+            number = float(v)
+        except (TypeError, ValueError):
+            continue
+        if number.is_integer():
+            out[i] = int(number)
+    return out
+
+
+def check_table(path: Path, fmt: str, num_classes: int) -> None:
+    """Every row's split ``train``/``test`` and label an integer in ``[0, num_classes)``, and
+    every feature a finite number (``check_features``), or a ``TableError`` naming the first
+    row (and file line) that is not."""
+    columns = table_columns(path, fmt)
+    wrong = np.flatnonzero(~np.isin(columns.splits, SPLITS))
+    if wrong.size:
+        raise TableError(f"data-file: {path}: row {int(wrong[0])}{_line(columns, wrong[0])} "
+                         f"has {SPLIT} = {str(columns.splits[wrong[0]])!r}; it must be 'train' "
+                         "or 'test'")
+    bad = np.flatnonzero((columns.labels < 0) | (columns.labels >= num_classes))
+    if bad.size:
+        raise TableError(f"data-file: {path}: row {int(bad[0])}{_line(columns, bad[0])} has a "
+                         f"{LABEL} outside the declared classes 0..{num_classes - 1} "
+                         f"(num-classes = {num_classes}; labels are integers, shared by "
+                         "every user, so they cannot be counted from the rows)")
+    check_features(path, fmt)
+
+
+def _line(columns: TableColumns, row: int) -> str:
+    """`` (file line L)`` for a CSV row (records may span lines: counted again here)."""
+    if columns.fmt != "csv":
+        return ""
+    with open(columns.path, newline="") as fh:
+        reader = csv.reader(fh)
+        next(reader)
+        for number, (line, _) in enumerate(_records(reader)):
+            if number == row:
+                return f" (line {line})"
+    return ""
 
 
 # the smallest magnitude that float32 rounds to infinity, (2 - 2^-24) 2^127: features are held
@@ -131,13 +184,19 @@ def table_columns(path: Path, fmt: str) -> TableColumns:
 F32_OVERFLOW = float.fromhex("0x1.ffffffp+127")
 
 
-def _parse_features(row: list[str], keep: list[int], path: Path, line: int) -> list[float]:
+def _parse_features(row: list[str], keep: list[int], path: Path, line: int,
+                    strict: bool = True) -> list[float]:
     """The features of one CSV row as floats, or a ``TableError`` naming the line and column
-    of the first cell that is not a finite number in float32."""
+    of the first cell that is not a finite number in float32. ``strict = False`` (a node
+    reading its users' rows): such a cell is nan instead, which isolates its user (its
+    contribution becomes zero on the node; ``fedpriv run`` refuses the file before a run)."""
     try:
         values = list(map(float, [row[j] for j in keep]))
     except ValueError:
         values = None
+    if not strict:
+        return values if values is not None else [
+            float(row[j]) if _finite(row[j]) else float("nan") for j in keep]
     # ``F32_OVERFLOW > v`` is False for nan as for too large a value
     if values is None or not all(map(F32_OVERFLOW.__gt__, map(abs, values))):
         bad = next(j for j in keep if not _finite(row[j]))
@@ -279,7 +338,7 @@ def _csv_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) -> Non
                 break
             if row_number != wanted[k]:
                 continue
-            out[k] = _parse_features(row, keep, columns.path, line)
+            out[k] = _parse_features(row, keep, columns.path, line, strict=False)
             k += 1
 
 
@@ -291,16 +350,13 @@ def _parquet_rows(columns: TableColumns, wanted: np.ndarray, out: np.ndarray) ->
     group_of = np.searchsorted(starts, wanted, side="right") - 1
     for group in np.unique(group_of):
         table = source.read_row_group(int(group), columns=list(columns.features))
-        try:
-            with np.errstate(over="ignore", invalid="ignore"):  # checked just below
-                block = np.column_stack([table.column(name).to_numpy(zero_copy_only=False)
-                                         for name in columns.features]).astype(np.float32)
+        try:  # a missing or non-finite value stays nan or inf: it isolates its user
+            with np.errstate(over="ignore", invalid="ignore"):
+                block = np.column_stack([
+                    table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+                    for name in columns.features]).astype(np.float32)
         except (TypeError, ValueError):
             raise TableError(f"data-file: {columns.path}: feature columns must be "
                              "numeric") from None
-        if not np.isfinite(block).all():
-            raise TableError(f"data-file: {columns.path}: row group {int(group)} holds a "
-                             "missing or non-finite feature; every feature must be a finite "
-                             "number")
         mine = group_of == group
         out[mine] = block[wanted[mine] - starts[group]]

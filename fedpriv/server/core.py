@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from fedpriv.algorithms.base import Part, Step, UserContribution
-from fedpriv.cohorts import partition_users
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import EVALUATE, algorithm_for
+from fedpriv.faults import failing_partitions
 from fedpriv.privacy.accounting import Accountant
 from fedpriv.server.release import Releaser, calibrate
-from fedpriv.server.replies import NodeReply, ReplyChecker
+from fedpriv.server.replies import LOST_KINDS, CheckedReplies, NodeReply, ReplyChecker
 from fedpriv.server.report import progress_line, results_dict, step_report
 from fedpriv.server.store import CheckpointStore, algorithm_state
 
@@ -47,9 +47,15 @@ class PrivateServer:
         self.replies = ReplyChecker()
         self.rounds: list[dict] = []  # one report per step done
         self.metrics: dict[str, float] = {}  # the final step's
-        self._partition_users = {p: partition_users(config.num_users, p, num_partitions)
-                                 for p in range(num_partitions)}
-        self._hosted = {p: len(ids) for p, ids in self._partition_users.items()}
+        # who each node hosts, where that is public; else (natural users of a file, which the
+        # server does not read) each node's count is its own reply's, and the missing-node
+        # rescale weighs the nodes equally (they host users by a hash of their ids)
+        cls = type(self.algorithm)
+        self._partition_users = ({p: cls.hosted_users(config, p, num_partitions)
+                                  for p in range(num_partitions)}
+                                 if cls.public_hosting(config) else {})
+        self._hosted = ({p: len(ids) for p, ids in self._partition_users.items()}
+                        or dict.fromkeys(range(num_partitions), 1))
         self._expected_cache: tuple[str, dict[int, int]] | None = None
         self.resumed_from: int | None = None
         self.store = CheckpointStore(checkpoint_path)  # locked: one server per checkpoint
@@ -123,9 +129,12 @@ class PrivateServer:
     def payload(self, step: Step) -> dict[str, np.ndarray]:
         return self.algorithm.broadcast(step)
 
-    def expected_users(self, step: Step) -> dict[int, int]:
+    def expected_users(self, step: Step) -> dict[int, int | None]:
         """{partition: how many of its users take part in ``step``} (public values only; with
-        Poisson sampling, values of the server's sampling seed)."""
+        Poisson sampling, values of the server's sampling seed); None for every partition
+        where hosting is not public (the server reads no user data)."""
+        if not self._partition_users:
+            return dict.fromkeys(range(self.num_partitions))
         key = step.to_json()
         if self._expected_cache is None or self._expected_cache[0] != key:
             cls = type(self.algorithm)
@@ -163,7 +172,7 @@ class PrivateServer:
                 self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)
         else:
-            report.update(self._release(step, accepted, checked.answered))
+            report.update(self._release(step, accepted, self._present(step, replies, checked)))
             report["nodes_bounded"] = self.bounded - bounded
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
@@ -172,6 +181,20 @@ class PrivateServer:
         self.store.save(self._state())  # before anything of this step leaves the server
         self.log(progress_line(report, len(self.steps()), len(self.rounds)))
         return report
+
+    def _present(self, step: Step, replies: Sequence[NodeReply],
+                 checked: CheckedReplies) -> set[int]:
+        """The partitions the missing-node rescale counts as present: all but those lost to
+        events no user's data can cause (no reply at all, or ``LOST_KINDS``: a timeout, a lost
+        node or message) and those the public fault simulation made fail (``node-fault-rate``,
+        a function of the seed and the step). A node that answered with an error or unusable
+        sums counts as present, with zero: one user's data must never change how a release
+        is scaled."""
+        lost = set(range(self.num_partitions)) - {r.partition_id for r in replies}
+        lost |= {r.partition_id for r in checked.rejected if r.kind in LOST_KINDS}
+        lost |= failing_partitions(self.config.seed, step.label, self.num_partitions,
+                                   self.config.node_fault_rate)
+        return set(range(self.num_partitions)) - lost
 
     def _release(self, step: Step, accepted: Sequence[UserContribution],
                  answered: set[int]) -> dict[str, Any]:

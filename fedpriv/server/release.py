@@ -217,7 +217,7 @@ class Releaser:
         return report
 
     def rescale(self, step: Step, answered: set[int], hosted: Mapping[int, int],
-                participating: Mapping[int, int]) -> float:
+                participating: Mapping[int, int | None]) -> float:
         """The missing-node rescale of a noisy Gaussian ``step`` (``rescale-missing-nodes``;
         1 when off, when the algorithm opts out, or for a release without noise, which is not
         rescaled): by the users taking part (``participating``, a public rule), or for a
@@ -228,8 +228,10 @@ class Releaser:
         opted_in = self.algorithm.rescale_for_missing_nodes or step.kind == EVALUATE
         if step.release is None or not (self.config.rescale_missing_nodes and opted_in):
             return 1.0
-        counts = hosted if self.algorithm.charge(step)[1] < 1.0 else participating
-        return missing_node_scale(counts, answered)
+        sampled = self.algorithm.charge(step)[1] < 1.0
+        if sampled or any(v is None for v in participating.values()):
+            return missing_node_scale(hosted, answered)
+        return missing_node_scale(participating, answered)  # type: ignore[arg-type]
 
     def epsilon(self) -> float | None:
         """Epsilon spent so far; None if anything was released without noise."""

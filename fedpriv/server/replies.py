@@ -30,6 +30,8 @@ from fedpriv.algorithms.base import Part, Step, UserContribution
 REJECTION_KINDS = (
     "node-error",  # the node reported an error (crashed)
     "timeout",  # no reply before node-timeout
+    "unavailable",  # the transport lost the node or its message (Flower's node/message
+    # unavailable errors): like a timeout, nothing the node's users' data did
     "malformed",  # the message lacks records or has non-integer counts
     "unknown-partition",  # a partition id the server does not expect
     "duplicate",  # a second reply for the same partition
@@ -41,6 +43,13 @@ REJECTION_KINDS = (
     "non-finite",  # NaN or infinity
     "metrics",  # final step: missing or non-finite metrics
 )
+
+
+# The rejections a node's users' data cannot cause: the node was lost on the way (its work is
+# bounded by public values: max-rows-per-user). Only these make the missing-node rescale count
+# a node as missing; a node that answered with an error or with unusable sums (which a bug
+# meeting one user's data could cause) counts as present, its users contributing zero.
+LOST_KINDS = frozenset({"timeout", "unavailable"})
 
 
 @dataclass
@@ -100,10 +109,11 @@ def common_metric_keys(replies: Sequence[NodeReply]) -> frozenset[str]:
     return sets.most_common(1)[0][0] if sets else frozenset()
 
 
-def reply_problem(step: Step, reply: NodeReply, expected: Mapping[int, int], seen: set[int],
-                  metric_keys: frozenset[str] | None) -> tuple[str, str] | None:
+def reply_problem(step: Step, reply: NodeReply, expected: Mapping[int, int | None],
+                  seen: set[int], metric_keys: frozenset[str] | None) -> tuple[str, str] | None:
     """(kind, detail) of why ``reply`` cannot be used, or None. ``expected``: {partition: users
-    taking part}; ``seen``: partitions already accepted in the step; ``metric_keys``: the final
+    taking part, or None where the server cannot know it (natural users: the node's count is
+    its own)}; ``seen``: partitions already accepted in the step; ``metric_keys``: the final
     step's metric names (None in other steps)."""
     contrib = reply.contribution
     if reply.error is not None or contrib is None:
@@ -113,9 +123,9 @@ def reply_problem(step: Step, reply: NodeReply, expected: Mapping[int, int], see
         return "unknown-partition", f"partition {reply.partition_id} is not one of this run's"
     if reply.partition_id in seen:
         return "duplicate", "a second reply for the partition"
-    if contrib.num_users != expected[reply.partition_id]:
-        return "user-count", (f"claims {contrib.num_users} users, "
-                              f"{expected[reply.partition_id]} take part")
+    wanted = expected[reply.partition_id]
+    if contrib.num_users < 0 or (wanted is not None and contrib.num_users != wanted):
+        return "user-count", f"claims {contrib.num_users} users, {wanted} take part"
     if not 0 <= contrib.num_clipped <= contrib.num_users:
         return "malformed", f"{contrib.num_clipped} users clipped of {contrib.num_users}"
     if metric_keys is None:
@@ -152,7 +162,7 @@ class ReplyChecker:
         self.bounded = 0
 
     def check(self, step: Step, replies: Sequence[NodeReply],
-              expected: Mapping[int, int]) -> CheckedReplies:
+              expected: Mapping[int, int | None]) -> CheckedReplies:
         """Sort ``replies`` into usable contributions and counted rejections."""
         seen: set[int] = set()
         accepted: list[UserContribution] = []

@@ -34,8 +34,17 @@ from fedpriv.algorithms.base import EXACT_EVAL, Algorithm, Part, Step, UserContr
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
 from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
-from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, problem_of, user_block
-from fedpriv.data.tables import TABLE_FORMATS, TableError, check_features
+from fedpriv.algorithms.deep.problem import (
+    DeepProblem,
+    chunk_users,
+    hosted_positions,
+    model_of,
+    problem_of,
+    public_batch_size,
+    user_block,
+)
+from fedpriv.data.sources import DatasetError, check_npz
+from fedpriv.data.tables import TABLE_FORMATS, TableError, check_table
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.randomness import user_uniforms
@@ -61,23 +70,31 @@ def bin_keys(prefix: str = "acc") -> list[str]:
 def accuracy_sums(acc: np.ndarray, loss: np.ndarray, counts: np.ndarray,
                   prefix: str = "acc") -> dict[str, float]:
     """Metric sums of users with test rows: accuracy, loss, how many, and the histogram of
-    per-user accuracy (for the 10th-percentile user)."""
-    seen = counts > 0
+    per-user accuracy (for the 10th-percentile user). A user whose loss or accuracy is not
+    finite (its data overflowed the model, or was isolated) is left out and counted apart
+    (``_unscored``): one user's data never makes its node's metrics unusable."""
+    scored = np.isfinite(acc) & np.isfinite(loss)
+    seen = (counts > 0) & scored
     hist = np.bincount(np.rint(acc[seen] * 100).astype(np.int64), minlength=HISTOGRAM_BINS)
     return {f"{prefix}_sum": float(acc[seen].sum()), f"{prefix}_loss_sum": float(loss[seen].sum()),
             f"{prefix}_users": float(seen.sum()),
+            f"{prefix}_unscored": float(((counts > 0) & ~scored).sum()),
             **{k: float(v) for k, v in zip(bin_keys(prefix), hist, strict=True)}}
 
 
 def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float]:
     """Mean per-user accuracy, 10th-percentile user's accuracy (1% bins) and mean test loss."""
     users = sums[f"{prefix}_users"]
+    unscored = {"users_not_scored": sums[f"{prefix}_unscored"]} if sums.get(
+        f"{prefix}_unscored") else {}
     if not users:
-        return {"accuracy": float("nan"), "accuracy_p10": float("nan"), "test_loss": float("nan")}
+        return {"accuracy": float("nan"), "accuracy_p10": float("nan"),
+                "test_loss": float("nan"), **unscored}
     hist = np.array([sums[k] for k in bin_keys(prefix)])
     p10 = int(np.searchsorted(np.cumsum(hist), 0.1 * users)) / 100.0
     return {"accuracy": sums[f"{prefix}_sum"] / users, "accuracy_p10": p10,
-            "test_loss": sums[f"{prefix}_loss_sum"] / users, "users_evaluated": users}
+            "test_loss": sums[f"{prefix}_loss_sum"] / users, "users_evaluated": users,
+            **unscored}
 
 
 # rows (both batches, 2b a user) per ghost-clipping call: 2,048-4,096 ran fastest on 2 cores
@@ -93,14 +110,23 @@ GHOST_ROWS = 3072
 GHOST_FLOATS = 2**24
 
 
-def disjoint_batches(seed: int, round_index: int, user_ids: np.ndarray, counts: np.ndarray,
-                     width: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two disjoint random batches of ``batch`` positions among each user's ``counts`` rows
-    (a pure function of seed, round and user id: any node computes the same). (n, b) each."""
-    u = user_uniforms(seed, _BATCH_PURPOSE, round_index, user_ids, width)
-    u[np.arange(width)[None, :] >= counts[:, None]] = 2.0  # padding sorts last
+def disjoint_batches(seed: int, round_index: int, keys: np.ndarray, counts: np.ndarray,
+                     width: int, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two disjoint random batches of positions among each user's ``counts`` rows, a pure
+    function of (seed, round, the user's key, its own count): any node computes the same, and
+    no user moves another's batches. User i's batches hold ``b_i = min(batch, counts_i // 2)``
+    rows (a user with fewer than 2b rows is handled within itself): (first, second, mask),
+    each (n, batch), mask 1 on the first b_i entries (the rest point at position 0)."""
+    cols = max(width, 2 * batch)
+    u = user_uniforms(seed, _BATCH_PURPOSE, round_index, keys, cols)
+    u[np.arange(cols)[None, :] >= counts[:, None]] = 2.0  # padding sorts last
     order = np.argsort(u, axis=1, kind="stable")
-    return order[:, :batch], order[:, batch:2 * batch]
+    own = np.minimum(batch, counts // 2)[:, None]
+    j = np.arange(batch)[None, :]
+    mask = j < own
+    first = np.where(mask, order[:, :batch], 0)
+    second = np.where(mask, np.take_along_axis(order, np.minimum(own + j, cols - 1), 1), 0)
+    return first, second, mask.astype(np.float32)
 
 
 def _take(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
@@ -119,22 +145,24 @@ def folds(first: np.ndarray, second: np.ndarray, k: int) -> tuple[np.ndarray, np
 
 
 def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
-                 second: np.ndarray, config: Any) -> tuple:
+                 second: np.ndarray, mask: np.ndarray, config: Any) -> tuple:
     """FedRep's round with k-fold cross-fitting (``cross-fit = k``): per user k heads, head j
     fitted with the body frozen on every fold but j, and the body's rows fold by fold, so
     that ``local_updates`` scores fold j with head j. (heads (n, k, H), x, y, mask)."""
     k = config.cross_fit
     scored, others = folds(first, second, k)
+    valid, _ = folds(mask, mask, k)
     (n, rows), g = scored.shape, scored.shape[1] // k
     x, y = _take(block.x, scored), _take(block.y, scored)
+    weights = torch.from_numpy(valid).to(x.device)
     feats = dm.features(spec, body, x.reshape(n * rows, *spec.input_shape)).reshape(n, k, g, -1)
     fits = torch.from_numpy(others).to(feats.device)
     train_feats = feats[:, fits].reshape(n * k, (k - 1) * g, -1)
     train_y = y.reshape(n, k, g)[:, fits].reshape(n * k, (k - 1) * g)
-    heads = dm.fit_heads(train_feats, train_y, torch.ones_like(train_y, dtype=torch.float32),
-                         spec.num_classes, config.head_steps, config.head_lr,
-                         bias=spec.head_bias)
-    return heads.reshape(n, k, -1), x, y, torch.ones_like(y, dtype=torch.float32)
+    train_w = weights.reshape(n, k, g)[:, fits].reshape(n * k, (k - 1) * g)
+    heads = dm.fit_heads(train_feats, train_y, train_w, spec.num_classes, config.head_steps,
+                         config.head_lr, bias=spec.head_bias)
+    return heads.reshape(n, k, -1), x, y, weights
 
 
 class DeepAlgorithm(Algorithm):
@@ -147,28 +175,59 @@ class DeepAlgorithm(Algorithm):
     @classmethod
     def validate(cls, config: Any) -> None:
         super().validate(config)
-        # the data, the partition and the model, or a ConfigError; of a csv/parquet table the
-        # server reads the id, split and label columns only
-        problem = problem_of(config, features=False)
-        if config.cross_fit > 2 * problem.batch_size:
+        # the model from public values (of a data file: its header), or a ConfigError; the
+        # server reads no user's rows
+        model_of(config)
+        b = public_batch_size(config)
+        if config.cross_fit > 2 * b:
             raise ConfigError(f"cross-fit: {config.cross_fit} folds of a user's two batches "
-                              f"of {problem.batch_size} rows leave a fold empty (at most "
-                              f"{2 * problem.batch_size})")
+                              f"of {b} rows leave a fold empty (at most {2 * b})")
 
     @classmethod
     def check_inputs(cls, config: Any) -> None:
-        """Every feature of a csv/parquet data-file a finite number (the file read once and
-        dropped), so that a bad cell stops the run before it starts, not in a node's first
-        round, where a Flower run would go on without that node's users."""
-        if config.dataset in TABLE_FORMATS:
-            try:
-                check_features(Path(config.data_file), config.dataset)
-            except TableError as err:
-                raise ConfigError(str(err)) from None
+        """Of a data file, every label in the declared classes and every feature a finite
+        number (the file read once and dropped), so that a bad row stops the run before it
+        starts, naming it. (A node that meets one anyway isolates that row's user.)"""
+        try:
+            if config.dataset in TABLE_FORMATS:
+                check_table(Path(config.data_file), config.dataset, config.num_classes)
+            elif config.dataset == "npz":
+                check_npz(Path(config.data_file), config.num_classes)
+        except (TableError, DatasetError) as err:
+            raise ConfigError(str(err)) from None
+
+    @classmethod
+    def input_notes(cls, config: Any) -> list[str]:
+        """Under the natural partition every user of the file takes part and the releases
+        divide by num-users: say so where the file holds another number of users."""
+        if config.partition != "natural":
+            return []
+        users = len(problem_of(config, features=False).keys)
+        if users == config.num_users:
+            return []
+        return [f"note: the natural partition takes every user of {config.data_file} ({users}"
+                f" users); the releases divide by num-users = {config.num_users}, the public "
+                "population n the privacy guarantee is stated for. Set num-users to the "
+                "population you publish (a mean over n that differs from the file's count is "
+                "biased, not less private)"]
+
+    @classmethod
+    def public_hosting(cls, config: Any) -> bool:
+        """Natural users are hosted by a hash of their ids, which the server does not read:
+        it then takes each node's user count from its reply."""
+        return config.partition != "natural"
+
+    @classmethod
+    def hosted_users(cls, config: Any, partition_id: int, num_partitions: int) -> np.ndarray:
+        if config.partition != "natural":
+            return super().hosted_users(config, partition_id, num_partitions)
+        problem = problem_of(config, features=False)
+        return hosted_positions(config.partition, problem.keys, config.num_users,
+                                partition_id, num_partitions)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        spec = problem_of(config, features=False).spec
+        spec = model_of(config)
         self.model = spec.initial(config.seed)
         self.release_size = spec.body_size if self.trains == "body" else spec.size
         self.velocity = np.zeros(self.release_size)
@@ -213,7 +272,9 @@ class DeepAlgorithm(Algorithm):
     def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
         if step.is_final or not config.users_per_round:
             return user_ids
-        u = user_uniforms(config.seed, _SAMPLING_PURPOSE, step.index, user_ids, 1)[:, 0]
+        keys = (problem_of(config, features=False).keys[user_ids]
+                if config.partition == "natural" else user_ids)  # each user's own key
+        u = user_uniforms(config.seed, _SAMPLING_PURPOSE, step.index, keys, 1)[:, 0]
         return user_ids[u < cls.sampling_rate(config)]
 
     def broadcast(self, step: Step) -> dict[str, np.ndarray]:
@@ -263,10 +324,10 @@ class DeepAlgorithm(Algorithm):
             for start in range(0, len(user_ids), size):
                 ids = user_ids[start:start + size]
                 block = user_block(problem, ids)
-                first, second = disjoint_batches(config.seed, step.index, ids, block.counts,
-                                                 block.y.shape[1], b)
-                part, n_clipped = cls.clipped_work(config, problem, model, block, first,
-                                                   second, clip)
+                batches = disjoint_batches(config.seed, step.index, block.keys, block.counts,
+                                           block.y.shape[1], b)
+                part, n_clipped = cls.clipped_work(config, problem, model, block, *batches,
+                                                   clip)
                 total += part
                 clipped += n_clipped
         totals = {"update": total}
@@ -295,46 +356,46 @@ class DeepAlgorithm(Algorithm):
 
     @classmethod
     def local_problem(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
-                      first: np.ndarray, second: np.ndarray) -> tuple:
+                      first: np.ndarray, second: np.ndarray, mask: np.ndarray) -> tuple:
         """What the chunk's local steps start from and run on: (start, heads, x, y, mask) as
         ``deep_math.local_updates`` takes them. FedRep fits each user's head on the first batch
-        and trains the body on the second; FedAvg trains the whole model on both."""
+        and trains the body on the second; FedAvg trains the whole model on both. ``mask``
+        (n, b): which batch entries are the user's (``disjoint_batches``)."""
         spec = problem.spec
+        weights = torch.from_numpy(mask).to(model.device)
         if cls.trains != "body":  # both batches' rows in one gather
             both = np.concatenate([first, second], 1)
-            y = _take(block.y, both)
-            return (model, None, _take(block.x, both), y,
-                    torch.ones(y.shape, dtype=torch.float32, device=model.device))
+            return (model, None, _take(block.x, both), _take(block.y, both),
+                    torch.cat([weights, weights], 1))
         body = model[:spec.body_size]
         if config.cross_fit:
-            return body, *cross_fitted(spec, body, block, first, second, config)
+            return body, *cross_fitted(spec, body, block, first, second, mask, config)
         x1, y1 = _take(block.x, first), _take(block.y, first)
-        ones = torch.ones(y1.shape, dtype=torch.float32, device=model.device)
         n, b = y1.shape
         feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
-        heads = dm.fit_heads(feats.reshape(n, b, -1), y1, ones, spec.num_classes,
+        heads = dm.fit_heads(feats.reshape(n, b, -1), y1, weights, spec.num_classes,
                              config.head_steps, config.head_lr, bias=spec.head_bias)
-        return body, heads, _take(block.x, second), _take(block.y, second), ones
+        return body, heads, _take(block.x, second), _take(block.y, second), weights
 
     @classmethod
     def local_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
-                   first: np.ndarray, second: np.ndarray) -> torch.Tensor:
+                   first: np.ndarray, second: np.ndarray, mask: np.ndarray) -> torch.Tensor:
         """The chunk's local updates (n, P_released), vectorized over users."""
         start, heads, x, y, mask = cls.local_problem(config, problem, model, block, first,
-                                                     second)
+                                                     second, mask)
         with torch.enable_grad():
             return dm.local_updates(problem.spec, start, heads, x, y, mask, config.body_steps,
                                     config.local_lr)
 
     @classmethod
     def clipped_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
-                     first: np.ndarray, second: np.ndarray,
+                     first: np.ndarray, second: np.ndarray, mask: np.ndarray,
                      clip: float) -> tuple[np.ndarray, int]:
         """The chunk's sum of clipped local updates and how many were clipped: by ghost
         clipping for one local step of a model whose trained layers are all ``nn.Linear``
         (no per-user gradients formed), else ``local_work`` then ``deep_math.clipped_sum``."""
         start, heads, x, y, mask = cls.local_problem(config, problem, model, block, first,
-                                                     second)  # head fits once, either path
+                                                     second, mask)  # head fits once, either path
         if config.body_steps == 1:
             ghost = ghost_clipped_sum(problem.spec, start, heads, x, y, mask, config.local_lr,
                                       clip)
@@ -416,9 +477,9 @@ class DeepAlgorithm(Algorithm):
         errors = []
         with torch.no_grad():
             for start in range(0, len(user_ids), size):
-                acc, _, seen = cls.final_scores(config, problem, model,
-                                                user_ids[start:start + size], split)
-                errors.append(np.where(seen > 0, 1.0 - acc, 1.0))
+                acc, loss, seen = cls.final_scores(config, problem, model,
+                                                   user_ids[start:start + size], split)
+                errors.append(np.where((seen > 0) & np.isfinite(loss), 1.0 - acc, 1.0))
         return {f"{split}_error": np.concatenate(errors) if errors else np.zeros(0)}
 
 

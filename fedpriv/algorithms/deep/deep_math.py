@@ -11,7 +11,9 @@ tests check that both compute the same, the benchmark compares their speed.
 
 Privacy-relevant: ``clipped_sum`` bounds each user's update to ``clip`` in L2 over all its
 parameters, with norms and scaling in float64 (a float32 norm could let a clipped update exceed
-the bound by a rounding error), before anything is summed.
+the bound by a rounding error), before anything is summed; an update that is not finite (the
+user's data overflowed the model) is dropped to zero. Every function treats each user (and each
+row) alone: one user's data reaches no other user's numbers.
 """
 
 from __future__ import annotations
@@ -162,7 +164,10 @@ def clipped_sum(updates: torch.Tensor, clip: float) -> tuple[np.ndarray, int]:
     """Sum over users of ``updates[i] * min(1, clip / ||updates[i]||)`` (float64), and how many
     were scaled down: ``fedpriv.privacy.mechanisms.clipped_sum`` for torch rows."""
     norms = torch.linalg.vector_norm(updates, dim=1, dtype=torch.float64).cpu().numpy()
-    factors = factors_from_norms(norms, clip)
+    factors = factors_from_norms(norms, clip)  # 0 for a non-finite update: its user isolated
+    dropped = torch.from_numpy(factors == 0).to(updates.device)
+    if bool(dropped.any()):
+        updates = updates.masked_fill(dropped[:, None], 0.0)  # 0 * nan would poison the sum
     total = torch.from_numpy(factors).to(updates.device) @ updates.to(torch.float64)
     return total.cpu().numpy(), int(np.count_nonzero(factors < 1.0))
 

@@ -26,7 +26,9 @@ summed like ``deep_math.clipped_sum`` rows: float32 gradients, their norms and t
 float64. The dense layers after it keep the Gram path, so no user's (users x 200k) dense
 gradient is formed.
 
-Privacy-relevant: the norms are computed in float64 from the float32 activations and output
+Privacy-relevant: a user whose norm is not finite (its rows overflowed the model or held nan)
+gets factor 0 and its rows are zeroed before the products, so it adds exactly nothing. The
+norms are computed in float64 from the float32 activations and output
 gradients, plus a rounding slack so that cancellation in the Gram sum can never make a norm
 come out smaller than it is (a user is never under-clipped). The slack is a worst case that
 assumes nothing about cancellation: every Gram entry and every product of two is within
@@ -189,9 +191,15 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         slack += layer_slack
         layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
     norms = lr * bounded_norms(sq, slack)
-    factors = factors_from_norms(norms.cpu().numpy(), clip)
+    factors = factors_from_norms(norms.cpu().numpy(), clip)  # 0: a non-finite norm (isolated)
     user_weights = torch.from_numpy(-lr * factors).to(x.device)
     weights = user_weights.repeat_interleave(r)[:, None]
+    dropped = torch.from_numpy(factors == 0).to(x.device)
+    if bool(dropped.any()):  # a dropped user's rows become zeros: 0 * nan would poison the sum
+        rows_dropped = dropped.repeat_interleave(r)[:, None]
+        layers = [(o, a64.masked_fill(rows_dropped, 0.0), g64.masked_fill(rows_dropped, 0.0))
+                  for o, a64, g64 in layers]
+        formed = [(o, u.masked_fill(dropped[:, None], 0.0)) for o, u in formed]
     names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
     for owner, a64, g64 in layers:

@@ -136,6 +136,74 @@ class ModelSpec:
                               ).astype(np.float32)
 
 
+PROBE_ROWS = 4
+
+
+def row_coupling(module: nn.Module, input_shape: tuple[int, ...]) -> str | None:
+    """Where ``module`` lets rows of a batch interact, found functionally: a batch of random
+    rows goes through it twice, the second time with row 0 changed, and the other rows'
+    outputs must stay the same at every submodule, and the gradient of their outputs must not
+    reach row 0. Returns a description naming the first submodule (in call order; the
+    innermost) whose output for another row moved, or None. Any layer type is caught,
+    whatever its name: batch norm without running statistics, attention across the batch,
+    ``x - x.mean(0)`` written inline."""
+    gen = torch.Generator().manual_seed(0x9A0BE)
+    x = torch.randn(PROBE_ROWS, *input_shape, generator=gen)
+    changed = x.clone()
+    changed[0] = 3.0 * torch.randn(*input_shape, generator=gen) + 1.0
+    names = {id(m): name or "the model" for name, m in module.named_modules()}
+
+    def trace(batch: torch.Tensor) -> list[tuple[str, Any, torch.Tensor]]:
+        seen: list[tuple[str, Any, torch.Tensor]] = []
+        def record(m: nn.Module, inputs: tuple, out: Any) -> None:
+            first = out[0] if isinstance(out, (tuple, list)) and out else out  # (out, weights)
+            if isinstance(first, torch.Tensor):
+                seen.append((names[id(m)], inputs[0] if inputs else None, first))
+
+        hooks = [m.register_forward_hook(record) for m in module.modules()]
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)  # the same dropout masks in both passes
+                module(batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return seen
+
+    def moved(a: Any, b: Any) -> bool:
+        """Whether rows 1.. of two per-row tensors differ (beyond float noise)."""
+        if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != PROBE_ROWS:
+            return False
+        scale = 1e-6 * (1.0 + float(a[1:].abs().max()))
+        return not torch.allclose(a[1:], b[1:], rtol=0.0, atol=scale, equal_nan=True)
+
+    for (name, a_in, a), (_, b_in, b) in zip(trace(x), trace(changed), strict=True):
+        if a.dim() == 0 or a.shape[0] != PROBE_ROWS or a.shape != b.shape:
+            return f"{name} does not keep one output row per input row (shape {tuple(a.shape)})"
+        if not moved(a, b):
+            continue
+        if moved(a_in, b_in):  # its input was mixed already: by its parent's own code
+            parent = name.rpartition(".")[0] if name != "the model" else ""
+            where = parent or "the model"
+            return (f"the forward of {where} ({type(_module_at(module, where)).__name__}) "
+                    f"mixes rows before calling {name}")
+        return (f"{name} ({type(_module_at(module, name)).__name__}) changes its output for "
+                "other rows when one row changes")
+    probe = changed.clone().requires_grad_(True)
+    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        out = module(probe)
+        out[1:].sum().backward()
+    module.zero_grad(set_to_none=True)
+    if probe.grad is not None and float(probe.grad[0].abs().max()) > 0.0:
+        return "the gradient of other rows' outputs reaches row 0"
+    return None
+
+
+def _module_at(module: nn.Module, name: str) -> nn.Module:
+    return module if name == "the model" else module.get_submodule(name)
+
+
 @lru_cache(maxsize=8)
 def model_spec(model: str, hidden: str, input_shape: tuple[int, ...],
                num_classes: int) -> ModelSpec:
@@ -167,6 +235,13 @@ def model_spec(model: str, hidden: str, input_shape: tuple[int, ...],
     if tuple(out.shape) != (2, num_classes):
         raise ConfigError(f"model: {model!r} outputs shape {tuple(out.shape[1:])} per input; "
                           f"the data has {num_classes} classes")
+    mixer = row_coupling(module, input_shape)
+    if mixer is not None:
+        raise ConfigError(f"model: {model!r} mixes the rows of a batch: {mixer}. fedpriv runs "
+                          "many users' rows through the model as one batch, so a layer whose "
+                          "output for one row depends on another row (batch norm, attention "
+                          "across the batch) would let one user's data move another user's "
+                          "update; use a per-row layer (LayerNorm, GroupNorm)")
     if any(True for _ in module.buffers()):
         raise ConfigError(f"model: {model!r} has buffers (batch norm?); per-user "
                           "vectorization needs a stateless model (use GroupNorm or LayerNorm)")

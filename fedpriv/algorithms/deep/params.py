@@ -58,6 +58,13 @@ def _check_data(config: Any) -> None:
     if config.partition == "natural" and config.dataset not in FILE_SOURCES:
         raise ConfigError(f"partition: 'natural' needs data with a user column (dataset = "
                           f"npz, csv or parquet), not {config.dataset!r}")
+    if config.dataset in FILE_SOURCES and config.num_classes < 1:
+        raise ConfigError(f"num-classes: dataset = \"{config.dataset}\" needs num-classes, the "
+                          "number of classes of your labels (0..C-1): every user's head has C "
+                          "outputs, so C is public and cannot be counted from the users' rows")
+    if config.dataset not in FILE_SOURCES and config.num_classes not in (0, 10):
+        raise ConfigError(f"num-classes: {config.dataset!r} has 10 classes; leave num-classes "
+                          f"at 0 (it is {config.num_classes})")
 
 
 DATA = ParamGroup("deep data", (
@@ -75,8 +82,9 @@ DATA = ParamGroup("deep data", (
           "the users of node partition i of N (set by the ClientApp when the node config names "
           "a data-file)", _part_ok, "\"\" or i/N with 0 <= i < N", public=False),
     Param("partition", str, "label-skew", "how rows become users: `label-skew` (S classes per "
-          "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column; "
-          "the num-users smallest ids, integers in numeric order)",
+          "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column: "
+          "every user of the file takes part; num-users is then the public population n the "
+          "releases divide by)",
           *one_of(SCHEMES)),
     Param("classes-per-user", int, 5, "S of label-skew", positive, "an integer >= 1"),
     Param("dirichlet-alpha", float, 0.5, "alpha of the dirichlet partition", positive,
@@ -85,6 +93,14 @@ DATA = ParamGroup("deep data", (
           "a table's 784 feature columns as one-channel 28 x 28 images, for `model = \"cnn\"`); "
           "`\"\"` = as the data holds it. Its product must equal the data's feature count",
           _sizes_ok, "\"\" or comma-separated integers > 0"),
+    Param("num-classes", int, 0, "the number of classes C of a data file's labels (0..C-1; "
+          "required there, public: every user's head has C outputs, and a label outside is "
+          "refused before the run); `0` = the built-in dataset's 10", non_negative,
+          "an integer >= 0"),
+    Param("max-rows-per-user", int, 1000, "the most training (and test) rows one user "
+          "brings: a user with more keeps a seeded choice of its own rows. Public: it bounds "
+          "what one user adds to its node's work, so that no user's data can make its node "
+          "miss node-timeout", positive, "an integer >= 1"),
     VALIDATION_SAMPLES,
 ), _check_data)
 
@@ -110,7 +126,9 @@ MODEL = ParamGroup("deep model", (
 
 LOCAL = ParamGroup("deep local work", (
     Param("local-batch-size", str, "max", "b of each of the two disjoint batches per round: `max` "
-          "(half the smallest user's training rows, at most 32) or an integer",
+          "(a data file: 32; a built-in dataset: half its partition's smallest user's training "
+          "rows, at most 32) or an integer. A user with fewer than 2b training rows uses "
+          "batches of half its rows (its own computation only)",
           lambda x: x == "max" or (x.isdigit() and int(x) >= 1), "'max' or an integer >= 1"),
     Param("head-steps", int, 100, "gradient steps of a user's head fit (body frozen) per "
           "round (Fashion-MNIST, non-private FedRep: 10 steps 0.687, 30 0.782, 100 0.859)",

@@ -22,6 +22,7 @@ from fedpriv.algorithms.personalization.params import PROBLEM
 from fedpriv.algorithms.personalization.problem import evaluate_models, final_metrics, problem_of
 from fedpriv.cohorts import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
+from fedpriv.privacy.mechanisms import score_sum
 
 
 class AExp(ExponentialMechanism):
@@ -85,8 +86,8 @@ class AExp(ExponentialMechanism):
             metrics = evaluate_models(problem, user_ids, v @ u.T, config.test_samples_per_user)
             return UserContribution({}, len(user_ids), 0, metrics)
         cands = haar_candidates(config.seed, config.candidates, config.dim, config.rank)
-        return UserContribution({"scores": a_exp_scores(config, x0, y0, cands).sum(axis=1)},
-                                len(user_ids), 0)
+        total, dropped = score_sum(a_exp_scores(config, x0, y0, cands), step.parts[0].clip_norm)
+        return UserContribution({"scores": total}, len(user_ids), dropped)
 
 
 class AExpBest(AExp):

@@ -22,6 +22,7 @@ from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.data.margin import MarginProblem, MarginTasks, margin_tasks
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.params import ConfigError
+from fedpriv.privacy.mechanisms import score_sum
 
 
 class JLExp(ExponentialMechanism):
@@ -74,7 +75,8 @@ class JLExp(ExponentialMechanism):
                                     evaluate_margin(config, problem, user_ids, tasks,
                                                     np.asarray(arrays["embedding"])))
         scores = jl_scores(config, tasks.features[:, :half], tasks.labels[:, :half])
-        return UserContribution({"scores": scores.sum(axis=1)}, len(user_ids), 0)
+        total, dropped = score_sum(scores, step.parts[0].clip_norm)
+        return UserContribution({"scores": total}, len(user_ids), dropped)
 
 
 def evaluate_margin(config: Any, problem: MarginProblem, user_ids: np.ndarray,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedpriv.algorithms.personalization.linear_math import local_vectors, orthonormalize
-from fedpriv.privacy.mechanisms import clip_factors
+from fedpriv.privacy.mechanisms import clip_factors, without_dropped
 
 
 def sample_split(train_samples: int) -> int:
@@ -64,13 +64,15 @@ def sufficient_statistics(
     rows = (x[:, :, :, None] * v[:, None, None, :]).reshape(n * (m0 - a), d * k)
     clipped_users = np.zeros(n, dtype=bool)
     if np.isfinite(feature_clip):
-        f = clip_factors(rows, feature_clip)
-        rows = rows * f[:, None]
+        f = clip_factors(rows, feature_clip)  # 0 for a row that is not finite
+        rows = without_dropped(rows, f) * f[:, None]
         clipped_users |= (f < 1.0).reshape(n, -1).any(axis=1)
     y = y.reshape(-1)
     if np.isfinite(response_clip):
-        clipped_users |= (np.abs(y) > response_clip).reshape(n, -1).any(axis=1)
-        y = np.clip(y, -response_clip, response_clip)
+        with np.errstate(invalid="ignore"):
+            clipped_users |= ~(np.abs(y) <= response_clip).reshape(n, -1).all(axis=1)
+        # a response that is not a number contributes nothing (its W is kept: |y~ W| = 0)
+        y = np.where(np.isnan(y), 0.0, np.clip(y, -response_clip, response_clip))
     return rows.T @ rows, rows.T @ y, int(clipped_users.sum())
 
 

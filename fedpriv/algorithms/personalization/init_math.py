@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedpriv.algorithms.personalization.linear_math import top_eigenvectors
-from fedpriv.privacy.mechanisms import clipped_sum, factors_from_norms
+from fedpriv.privacy.mechanisms import clipped_sum, factors_from_norms, without_dropped
 
 
 def u_statistics(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -60,7 +60,10 @@ def clipped_u_statistic_sum(
         raise ValueError(f"the U-statistic needs at least 2 samples per user, got {m}")
     weighted = features * labels[:, :, None]  # a_j, (n, m, d)
     total = weighted.sum(axis=1)
-    factors = factors_from_norms(_norm_bounds(weighted, total), clip_norm)
+    with np.errstate(over="ignore", invalid="ignore"):
+        factors = factors_from_norms(_norm_bounds(weighted, total), clip_norm)
+    # a user whose bound is not finite (overflow, nan) has factor 0: its rows become zeros
+    weighted, total = without_dropped(weighted, factors), without_dropped(total, factors)
     flat = weighted.reshape(n * m, d)
     outer = total.T @ (total * factors[:, None]) - flat.T @ (flat * np.repeat(factors, m)[:, None])
     return outer / (m * (m - 1)), int(np.count_nonzero(factors < 1.0))

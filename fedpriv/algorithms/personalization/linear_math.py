@@ -25,6 +25,11 @@ def least_squares(design: np.ndarray, targets: np.ndarray) -> np.ndarray:
     n, b, k = design.shape
     if n == 0:
         return np.zeros((0, k))
+    finite = np.isfinite(design).all(axis=(1, 2)) & np.isfinite(targets).all(axis=1)
+    if not finite.all():  # a user's non-finite data: its own v is nan (its update is dropped)
+        out = np.full((n, k), np.nan)
+        out[finite] = least_squares(design[finite], targets[finite])
+        return out
     if b == k:
         matrix = design
     elif b < k:
