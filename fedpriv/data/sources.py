@@ -93,7 +93,7 @@ def load_source(name: str, data_dir: str = "", data_file: str = "",
     """The named dataset (cached per process: every step of a run reads the same arrays).
     ``features = False``: labels, user ids and shapes only, where the format allows reading
     them alone (Fashion-MNIST: the label files and the image files' headers; csv/parquet: the
-    id, split and label columns): the server's checks need no more."""
+    id, split and label columns): what a node's partition needs."""
     if name not in SOURCES:
         raise DatasetError(f"dataset: {name!r} is not one of {', '.join(SOURCES)}")
     return _load(name, data_dir, data_file, features or name in ("digits", "npz"))

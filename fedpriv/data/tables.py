@@ -103,7 +103,8 @@ def feature_names(path: Path, fmt: str) -> tuple[str, ...]:
 
 @lru_cache(maxsize=4)
 def table_columns(path: Path, fmt: str) -> TableColumns:
-    """The id, split and label columns (cached per process), checked."""
+    """The id, split and label columns (cached per process): a node's read. The values are
+    not judged here (``check_table`` does, before a run)."""
     _check_file(path, fmt)
     if fmt == "csv":
         with open(path, newline="") as fh:
