@@ -71,17 +71,21 @@ def released_model(path: Path) -> np.ndarray:
     return np.array(json.loads(path.read_text())["released"]["parameters"])
 
 
+def run_args(engine: str, out: Path, **keys) -> list[str]:
+    """`fedpriv run` arguments: FILE_KEYS with ``keys`` (snake_case) set."""
+    args = ["run", "--engine", engine, "--out", str(out)]
+    for key, value in {**FILE_KEYS, **{k.replace("_", "-"): v for k, v in keys.items()}}.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
 def cli_release(tmp_path: Path, name: str, data: Path, engine: str, **keys) -> np.ndarray:
     """One round of `fedpriv run` on ``data``; the released model's parameters."""
     from fedpriv.cli import main as cli_main
 
     out = tmp_path / f"{name}.json"
-    values = {**FILE_KEYS, "dataset": data.suffix[1:], "data-file": str(data), "rounds": 1,
-              "users-per-node": 10, **keys}
-    args = ["run", "--engine", engine, "--out", str(out)]
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    assert cli_main(args) == 0
+    assert cli_main(run_args(engine, out, dataset=data.suffix[1:], data_file=data, rounds=1,
+                             users_per_node=10, **keys)) == 0
     return released_model(out.with_name(out.name.replace(".json", ".release.json")))
 
 
@@ -121,7 +125,7 @@ def test_the_reviews_cases_move_a_fedpriv_run_release_at_most_the_sensitivity(tm
     relation, changed = table_rows_case(case, rows)
     d = write_rows(rows, tmp_path / "D.csv", "csv")
     d2 = write_rows(changed, tmp_path / "D2.csv", "csv")
-    wide = {"hidden-sizes": "256,128"}  # the default model: 1e37 overflows its forward pass
+    wide = {"hidden_sizes": "256,128"}  # the default model: 1e37 overflows its forward pass
     a = cli_release(tmp_path, "d", d, "inprocess", **wide)
     b = cli_release(tmp_path, "d2", d2, "inprocess", **wide)
     config = file_config(d, "csv")
@@ -142,7 +146,7 @@ def test_the_reviews_cases_through_flower_move_the_release_at_most_the_sensitivi
     relation, changed = table_rows_case(case, rows)
     d = write_rows(rows, tmp_path / "D.csv", "csv")
     d2 = write_rows(changed, tmp_path / "D2.csv", "csv")
-    wide = {"hidden-sizes": "256,128"}
+    wide = {"hidden_sizes": "256,128"}
     a = cli_release(tmp_path, "d", d, "flower", **wide)
     b = cli_release(tmp_path, "d2", d2, "flower", **wide)
     config = file_config(d, "csv")
@@ -166,36 +170,42 @@ def test_a_label_outside_the_declared_classes_is_refused_before_the_run(tmp_path
     labels[5] = 19
     bad = write_rows(Rows(rows.users, rows.splits, labels, rows.x), tmp_path / "bad.csv", "csv")
     out = tmp_path / "r.json"
-    args = ["run", "--engine", engine, "--out", str(out)]
-    for key, value in {**FILE_KEYS, "dataset": "csv", "data-file": str(bad)}.items():
-        args += ["--set", f"{key}={value}"]
-    assert cli_main(args) == 2
+    assert cli_main(run_args(engine, out, dataset="csv", data_file=bad)) == 2
     err = capsys.readouterr().err
     assert "row 5 (line 7) has a label outside the declared classes 0..9" in err
     assert not out.exists()
 
 
-def test_a_model_that_mixes_rows_is_refused_naming_the_layer(tmp_path, monkeypatch):
+MIXERS = """from torch import nn
+def batch_norm(shape, classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16),
+                         nn.BatchNorm1d(16, track_running_stats=False), nn.ReLU(),
+                         nn.Linear(16, classes))
+def centred(shape, classes):
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(64, 16), nn.Linear(16, classes)
+        def forward(self, x):
+            h = self.body(x.flatten(1))
+            return self.head(h - h.mean(0))
+    return Centred()
+"""
+
+
+@pytest.fixture
+def mixers(tmp_path, monkeypatch):
+    """Models that mix the rows of a batch, importable as ``mixers:batch_norm`` and
+    ``mixers:centred``."""
+    (tmp_path / "mixers.py").write_text(MIXERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_model_that_mixes_rows_is_refused_naming_the_layer(tmp_path, mixers):
     """The review's sixth row: BatchNorm1d(track_running_stats=False) has no buffers, so the
     old "stateless" check passed it; the functional probe names it before the run."""
     from fedpriv.params import ConfigError
 
-    (tmp_path / "mixers.py").write_text(
-        "from torch import nn\n"
-        "def batch_norm(shape, classes):\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16),\n"
-        "                         nn.BatchNorm1d(16, track_running_stats=False), nn.ReLU(),\n"
-        "                         nn.Linear(16, classes))\n"
-        "def centred(shape, classes):\n"
-        "    class Centred(nn.Module):\n"
-        "        def __init__(self):\n"
-        "            super().__init__()\n"
-        "            self.body, self.head = nn.Linear(64, 16), nn.Linear(16, classes)\n"
-        "        def forward(self, x):\n"
-        "            h = self.body(x.flatten(1))\n"
-        "            return self.head(h - h.mean(0))\n"
-        "    return Centred()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
     data = write_rows(natural_rows(), tmp_path / "d.npz", "npz")
     with pytest.raises(ConfigError, match=r"model: 'mixers:batch_norm' mixes the rows of a "
                                           r"batch: 2 \(BatchNorm1d\)"):
@@ -206,23 +216,13 @@ def test_a_model_that_mixes_rows_is_refused_naming_the_layer(tmp_path, monkeypat
 
 
 def test_a_model_that_mixes_rows_is_refused_by_fedpriv_run_before_anything_starts(tmp_path,
-                                                                                  monkeypatch,
+                                                                                  mixers,
                                                                                   capsys):
     from fedpriv.cli import main as cli_main
 
-    (tmp_path / "bn.py").write_text(
-        "from torch import nn\n"
-        "def model(shape, classes):\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16),\n"
-        "                         nn.BatchNorm1d(16, track_running_stats=False),\n"
-        "                         nn.Linear(16, classes))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
     data = write_rows(natural_rows(), tmp_path / "d.csv", "csv")
-    args = ["run", "--engine", "flower", "--out", str(tmp_path / "r.json")]
-    for key, value in {**FILE_KEYS, "dataset": "csv", "data-file": str(data),
-                       "model": "bn:model"}.items():
-        args += ["--set", f"{key}={value}"]
-    assert cli_main(args) == 2
+    assert cli_main(run_args("flower", tmp_path / "r.json", dataset="csv", data_file=data,
+                             model="mixers:batch_norm")) == 2
     assert "mixes the rows of a batch: 2 (BatchNorm1d)" in capsys.readouterr().err
 
 

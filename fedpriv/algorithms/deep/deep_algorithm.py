@@ -32,8 +32,9 @@ import torch
 
 from fedpriv.algorithms.base import EXACT_EVAL, Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.batches import cross_fitted, disjoint_batches, take_rows
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
-from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL, ROUNDS
+from fedpriv.algorithms.deep.params import DATA, FILE_SOURCES, LOCAL, MODEL, ROUNDS
 from fedpriv.algorithms.deep.problem import (
     DeepProblem,
     chunk_users,
@@ -50,7 +51,6 @@ from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.randomness import user_uniforms
 
 _SAMPLING_PURPOSE = 0xD5A
-_BATCH_PURPOSE = 0xDBA
 HISTOGRAM_BINS = 101  # per-user accuracy to 1% (for the percentile)
 
 
@@ -110,61 +110,6 @@ GHOST_ROWS = 3072
 GHOST_FLOATS = 2**24
 
 
-def disjoint_batches(seed: int, round_index: int, keys: np.ndarray, counts: np.ndarray,
-                     width: int, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Two disjoint random batches of positions among each user's ``counts`` rows, a pure
-    function of (seed, round, the user's key, its own count): any node computes the same, and
-    no user moves another's batches. User i's batches hold ``b_i = min(batch, counts_i // 2)``
-    rows (a user with fewer than 2b rows is handled within itself): (first, second, mask),
-    each (n, batch), mask 1 on the first b_i entries (the rest point at position 0)."""
-    cols = max(width, 2 * batch)
-    u = user_uniforms(seed, _BATCH_PURPOSE, round_index, keys, cols)
-    u[np.arange(cols)[None, :] >= counts[:, None]] = 2.0  # padding sorts last
-    order = np.argsort(u, axis=1, kind="stable")
-    own = np.minimum(batch, counts // 2)[:, None]
-    j = np.arange(batch)[None, :]
-    mask = j < own
-    first = np.where(mask, order[:, :batch], 0)
-    second = np.where(mask, np.take_along_axis(order, np.minimum(own + j, cols - 1), 1), 0)
-    return first, second, mask.astype(np.float32)
-
-
-def _take(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
-    rows = torch.arange(t.shape[0], device=t.device)[:, None]
-    return t[rows, torch.from_numpy(index).to(t.device)]
-
-
-def folds(first: np.ndarray, second: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """k-fold cross-fitting's rows: both batches' 2b positions a user in k folds of
-    ``2b // k`` (the remainder unused), (n, k g) fold by fold, and ``others`` (k, k - 1): the
-    folds whose rows fit head j."""
-    both = np.concatenate([first, second], 1)
-    g = both.shape[1] // k
-    others = np.array([[i for i in range(k) if i != j] for j in range(k)], dtype=np.int64)
-    return both[:, :k * g], others
-
-
-def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
-                 second: np.ndarray, mask: np.ndarray, config: Any) -> tuple:
-    """FedRep's round with k-fold cross-fitting (``cross-fit = k``): per user k heads, head j
-    fitted with the body frozen on every fold but j, and the body's rows fold by fold, so
-    that ``local_updates`` scores fold j with head j. (heads (n, k, H), x, y, mask)."""
-    k = config.cross_fit
-    scored, others = folds(first, second, k)
-    valid, _ = folds(mask, mask, k)
-    (n, rows), g = scored.shape, scored.shape[1] // k
-    x, y = _take(block.x, scored), _take(block.y, scored)
-    weights = torch.from_numpy(valid).to(x.device)
-    feats = dm.features(spec, body, x.reshape(n * rows, *spec.input_shape)).reshape(n, k, g, -1)
-    fits = torch.from_numpy(others).to(feats.device)
-    train_feats = feats[:, fits].reshape(n * k, (k - 1) * g, -1)
-    train_y = y.reshape(n, k, g)[:, fits].reshape(n * k, (k - 1) * g)
-    train_w = weights.reshape(n, k, g)[:, fits].reshape(n * k, (k - 1) * g)
-    heads = dm.fit_heads(train_feats, train_y, train_w, spec.num_classes, config.head_steps,
-                         config.head_lr, bias=spec.head_bias)
-    return heads.reshape(n, k, -1), x, y, weights
-
-
 class DeepAlgorithm(Algorithm):
     """T rounds of clipped, noised local updates of a torch model, then personal fits."""
 
@@ -176,8 +121,11 @@ class DeepAlgorithm(Algorithm):
     def validate(cls, config: Any) -> None:
         super().validate(config)
         # the model from public values (of a data file: its header), or a ConfigError; the
-        # server reads no user's rows
+        # server reads no user's rows. A built-in dataset's partition is public: cut it here,
+        # so that what it cannot cut (too many label-skew users) is refused before the run
         model_of(config)
+        if config.dataset not in FILE_SOURCES:
+            problem_of(config, features=False)
         b = public_batch_size(config)
         if config.cross_fit > 2 * b:
             raise ConfigError(f"cross-fit: {config.cross_fit} folds of a user's two batches "
@@ -195,6 +143,8 @@ class DeepAlgorithm(Algorithm):
                 check_npz(Path(config.data_file), config.num_classes)
         except (TableError, DatasetError) as err:
             raise ConfigError(str(err)) from None
+        if config.dataset in FILE_SOURCES:  # the partition the nodes will cut, or its error
+            problem_of(config, features=False)
 
     @classmethod
     def input_notes(cls, config: Any) -> list[str]:
@@ -365,17 +315,17 @@ class DeepAlgorithm(Algorithm):
         weights = torch.from_numpy(mask).to(model.device)
         if cls.trains != "body":  # both batches' rows in one gather
             both = np.concatenate([first, second], 1)
-            return (model, None, _take(block.x, both), _take(block.y, both),
+            return (model, None, take_rows(block.x, both), take_rows(block.y, both),
                     torch.cat([weights, weights], 1))
         body = model[:spec.body_size]
         if config.cross_fit:
             return body, *cross_fitted(spec, body, block, first, second, mask, config)
-        x1, y1 = _take(block.x, first), _take(block.y, first)
+        x1, y1 = take_rows(block.x, first), take_rows(block.y, first)
         n, b = y1.shape
         feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
         heads = dm.fit_heads(feats.reshape(n, b, -1), y1, weights, spec.num_classes,
                              config.head_steps, config.head_lr, bias=spec.head_bias)
-        return body, heads, _take(block.x, second), _take(block.y, second), weights
+        return body, heads, take_rows(block.x, second), take_rows(block.y, second), weights
 
     @classmethod
     def local_work(cls, config: Any, problem: DeepProblem, model: torch.Tensor, block: Any,
