@@ -47,6 +47,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             values["resume"] = True
         if args.out:
             values["results-path"] = args.out
+        elif not args.resume:
+            default = RunConfig.from_mapping(values, strict=True).defaults()["results-path"]
+            if values["results-path"] == default:  # the user named no path
+                values["results-path"] = str(unused_results_path(default))
         config = RunConfig.from_mapping(values, strict=True)
         # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
         out = Path(config.results_path).expanduser().resolve()
@@ -88,8 +92,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = _silent(silent_run(json.loads(out.read_text())))
     if code != 0 and ckpt is not None and ckpt.exists():
         print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)}); continue "
-              "with: fedpriv run ... --resume", file=sys.stderr)
+              f"with: fedpriv run ... --resume --out {out}", file=sys.stderr)
     return code
+
+
+def unused_results_path(default: str) -> Path:
+    """The default operator report path, or where an earlier run's report is there the first
+    of ``<name>-2.json``, ``<name>-3.json``, ... that no run has written: a run the user did
+    not name never replaces another run's files (``--out`` names it)."""
+    from fedpriv import checkpoint
+    from fedpriv.outputs import run_files
+
+    path = Path(default)
+    for n in range(1, 10_000):
+        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        taken = [f for f in run_files(candidate) if f.exists()]
+        if not taken and not candidate.with_suffix(checkpoint.SUFFIX).exists():
+            if n > 1:
+                print(f"fedpriv: {path} holds an earlier run's report; this run writes "
+                      f"{candidate} (name it with --out)", file=sys.stderr)
+            return candidate
+    raise ConfigError(f"results-path: {path} and 9,999 numbered variants are taken; name this "
+                      "run's report with --out")
 
 
 def _silent(message: str | None) -> int:
@@ -289,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from its checkpoint (same config)")
     run.add_argument("--keep-superlink", action="store_true",
-                     help="leave the local SuperLink that flwr started running")
+                     help="leave the run's local SuperLink running (its port and PID are "
+                          "printed)")
     run.add_argument("--ray-address", metavar="HOST:PORT",
                      default=os.environ.get("FEDPRIV_RAY_ADDRESS") or None,
                      help="run the simulation on this existing Ray cluster (its head's GCS "

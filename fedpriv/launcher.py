@@ -1,9 +1,11 @@
 """The Flower simulation launcher behind ``fedpriv run`` and ``fedpriv sweep --engine flower``.
 
 ``run_flower`` writes the run config to a file, runs ``flwr run`` on this project's Flower app
-with one SuperNode per cohort of users, and stops the local SuperLink that ``flwr run`` leaves
-behind (found by its port, stopped by its PID). It starts ``flwr`` as a subprocess and never
-imports it; the commands above it (``fedpriv.cli``, ``fedpriv.sweep``) share it from here.
+with one SuperNode per cohort of users, on a local SuperLink of the run's own (free ports, a
+private ``FLWR_HOME``: ``LocalSuperLink``), and stops that SuperLink after it (found by its
+port, stopped by its PID). It starts ``flwr`` as a subprocess, found beside this interpreter
+(``tool_path``), and never imports it; the commands above it (``fedpriv.cli``,
+``fedpriv.sweep``) share it from here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,8 @@ from fedpriv.config_files import app_config_keys, for_flower, toml_value
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 """Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""
-DEFAULT_LOCAL_SUPERLINK_PORT = 39091
-"""Flower's default for that port."""
+LOCAL_CONTROL_PORT_ENV = "FLWR_LOCAL_CONTROL_API_PORT"
+"""... and for its Control API's port."""
 
 
 def project_dir() -> Path:
@@ -92,25 +95,71 @@ def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
     return env
 
 
-def _superlink_port() -> int:
-    return int(os.environ.get(LOCAL_SUPERLINK_PORT_ENV, DEFAULT_LOCAL_SUPERLINK_PORT))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def tool_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this interpreter's scripts folder first on PATH: ``flwr``, ``ray`` and the
+    ``flower-superlink`` that ``flwr run`` starts are found beside the interpreter that runs
+    fedpriv, so an environment works without being activated (a cron job, an IDE, a script
+    calling /path/to/venv/bin/fedpriv)."""
+    scripts = str(Path(sys.executable).parent)
+    parts = env.get("PATH", "").split(os.pathsep)
+    return {**env, "PATH": os.pathsep.join([scripts, *[p for p in parts if p != scripts]])}
+
+
+@dataclass(frozen=True)
+class LocalSuperLink:
+    """The local SuperLink a run submits to. By default a run's own: free ports and a private
+    ``FLWR_HOME`` (its state and logs), started by ``flwr run`` and stopped after it, so a run
+    never joins a SuperLink that another job (or user) started on Flower's default ports, and
+    two runs at once never share one. ``named``: the user named one with Flower's variable
+    ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``; a SuperLink already listening there is used (with
+    the user's ``FLWR_HOME``) and left running."""
+
+    port: int
+    control_port: int | None
+    home: str | None
+    named: bool
+
+    @classmethod
+    def choose(cls, folder: str) -> LocalSuperLink:
+        """The user's named SuperLink, or a fresh one whose FLWR_HOME is made in ``folder``."""
+        named = os.environ.get(LOCAL_SUPERLINK_PORT_ENV)
+        if named:
+            return cls(int(named), None, None, True)
+        return cls(_free_port(), _free_port(), tempfile.mkdtemp(prefix="flwr-", dir=folder),
+                   False)
+
+    def running(self) -> bool:
+        return _port_open(self.port)
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """The environment of ``flwr run`` (and the SuperLink it starts) for this SuperLink."""
+        env = tool_path({**base, LOCAL_SUPERLINK_PORT_ENV: str(self.port)})
+        if self.control_port is not None:
+            env[LOCAL_CONTROL_PORT_ENV] = str(self.control_port)
+        if self.home is not None:
+            env["FLWR_HOME"] = self.home
+        return env
+
+    def stop(self) -> None:
+        stop_local_superlink(self.port)
+
+
 class FlowerSession:
     """One local SuperLink and one Ray head shared by several Flower runs (a sweep), so that
     start-up is paid once: a context manager that stops both on exit, Ctrl-C and errors
-    included. A SuperLink that was already running when the session began is used as it is
-    (with its own Ray instances) and left running."""
+    included. The SuperLink is the session's own (``LocalSuperLink``); one the user named that
+    is already running is used as it is (with its own Ray instances) and left running."""
 
     def __init__(self, num_cpus: int | None = None) -> None:
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.ray_address: str | None = None
+        self.link: LocalSuperLink | None = None
         self._head: subprocess.Popen | None = None
         self._tmp: str | None = None
         self._stop_superlink = False
@@ -121,10 +170,11 @@ class FlowerSession:
         return self._tmp
 
     def __enter__(self) -> FlowerSession:
-        if _port_open(_superlink_port()):
-            return self  # someone else's SuperLink: use it, never stop it
-        self._stop_superlink = True
         self._tmp = tempfile.mkdtemp(prefix="fpray", dir="/tmp")  # Ray's socket paths: short
+        self.link = LocalSuperLink.choose(self._tmp)
+        if self.link.named and self.link.running():
+            return self  # the SuperLink the user named: use it, never stop it
+        self._stop_superlink = True
         log_path = Path(self._tmp, "head.log")
         for _ in range(2):  # a head that exits at start-up (a port taken meanwhile) gets one retry
             port = _free_port()
@@ -136,7 +186,8 @@ class FlowerSession:
                  f"--ray-client-server-port={_free_port()}",
                  f"--dashboard-agent-listen-port={_free_port()}"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env=with_cache_share({**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+                env=with_cache_share(tool_path({**os.environ,
+                                                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}),
                                      self.num_cpus))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -154,8 +205,9 @@ class FlowerSession:
                            + "\n".join(tail))
 
     def __exit__(self, *exc: object) -> None:
-        if self._stop_superlink:
-            stop_local_superlink(_superlink_port())
+        if self._stop_superlink and self.link is not None:
+            self.link.stop()
+        self._stop_superlink = False
         if self._head is not None and self._head.poll() is None:  # the Ray head's group
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -173,57 +225,81 @@ class FlowerSession:
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
                quiet: bool = False, ray_address: str | None = None,
                session: FlowerSession | None = None) -> int:
-    """Run through Flower's simulation engine. ``ray_address``: attach the simulation to that
-    existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink that ``flwr run``
-    starts and by its simulation process) instead of starting a Ray instance of its own.
-    ``session``: one of several runs sharing the session's SuperLink and Ray head."""
-    port = _superlink_port()
-    started_here = not _port_open(port)
-    if session is not None:
-        keep_superlink = True
-        ray_address = session.ray_address if started_here else None  # it already has it
-    # run the app from the environment fedpriv is installed in: no per-run dependency
-    # installation (uv sync) by the SuperLink that `flwr run` starts, unless asked for
-    env = {**os.environ, NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}
-    if ray_address:
-        if not started_here:
-            print(f"fedpriv: --ray-address needs a fresh local SuperLink, but one is already "
-                  f"listening on 127.0.0.1:{port} (it would keep its own Ray instance); stop "
-                  "it first", file=sys.stderr)
-            return 2
-        env["RAY_ADDRESS"] = ray_address
+    """Run through Flower's simulation engine, on a local SuperLink of the run's own
+    (``LocalSuperLink``; a session's, or one the user named). ``ray_address``: attach the
+    simulation to that existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink
+    that ``flwr run`` starts and by its simulation process) instead of starting a Ray
+    instance of its own. ``session``: one of several runs sharing the session's SuperLink and
+    Ray head."""
+    with tempfile.TemporaryDirectory(prefix="fedpriv-run-") as tmp:
+        if session is not None and session.link is not None:
+            link, keep_superlink = session.link, True
+            started_here = session.ray_address is not None and not link.running()
+            ray_address = session.ray_address if started_here else None  # it already has it
+        else:  # kept: its FLWR_HOME must outlive this run's folder
+            link = LocalSuperLink.choose(tempfile.mkdtemp(prefix="fedpriv-superlink-")
+                                         if keep_superlink else tmp)
+            started_here = not link.running()
+        # run the app from the environment fedpriv is installed in: no per-run dependency
+        # installation (uv sync) by the SuperLink that `flwr run` starts, unless asked for
+        env = link.env({**os.environ, NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL,
+                                                                          "1")})
+        if ray_address:
+            if not started_here:
+                print(f"fedpriv: --ray-address needs a fresh local SuperLink, but the one named "
+                      f"on 127.0.0.1:{link.port} is running (it would keep its own Ray "
+                      "instance); stop it first", file=sys.stderr)
+                return 2
+            env["RAY_ADDRESS"] = ray_address
+        code = _flwr_run(config, values, out, env, link, quiet, tmp, session,
+                         stop=started_here and not keep_superlink, ray_address=ray_address)
+    if code == 0 and started_here and keep_superlink and session is None:
+        print(f"fedpriv: the local SuperLink keeps running on 127.0.0.1:{link.port} "
+              f"(FLWR_HOME={link.home or os.environ.get('FLWR_HOME', '~/.flwr')}); stop it "
+              f"with: kill {_listening_pid(link.port) or '<its PID>'}", file=sys.stderr)
+    return code
+
+
+def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[str, str],
+              link: LocalSuperLink, quiet: bool, tmp: str, session: FlowerSession | None,
+              stop: bool, ray_address: str | None) -> int:
+    """``flwr run`` of the run's config in ``env``; the SuperLink stopped after it if
+    ``stop``."""
     nodes = auto_num_nodes(config.num_users, config.users_per_node)
-    with tempfile.TemporaryDirectory() as tmp:
-        run_config = Path(tmp) / "run-config.toml"
-        lines = []
-        flower_values = for_flower({**values, "results-path": str(out)},
-                                   app_config_keys(project_dir()))
-        for key, value in flower_values.items():
-            lines.append(f"{key} = {toml_value(value)}")
-        run_config.write_text("\n".join(lines) + "\n")
-        # one ClientApp actor per core (Flower's default gives each actor 2 CPUs: one actor
-        # on a 2-core machine), each with its share of the data cache
-        federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
-        with_cache_share(env, min(nodes, os.cpu_count() or 1))
-        if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
-                not ray_address):  # an existing cluster's CPUs are its own
-            # a simulated node that times out holds its worker for node-timeout seconds:
-            # more (logical) workers than cores keep the others from queueing behind it
-            federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
-        cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
-               "--federation-config", federation]
-        if not quiet:
-            print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
-                  f"({config.num_users} users)", flush=True)
-        try:
-            # a SuperLink that outlives this run must not start in this run's temp folder
-            workdir = session.workdir if session is not None and session.workdir else tmp
-            proc = subprocess.run(cmd, cwd=workdir, check=False, env=env,
-                                  stdout=subprocess.DEVNULL if quiet else None,
-                                  stderr=subprocess.DEVNULL if quiet else None)
-        finally:
-            if started_here and not keep_superlink:
-                stop_local_superlink(port)
+    run_config = Path(tmp) / "run-config.toml"
+    flower_values = for_flower({**values, "results-path": str(out)},
+                               app_config_keys(project_dir()))
+    run_config.write_text("".join(f"{key} = {toml_value(value)}\n"
+                                  for key, value in flower_values.items()))
+    # one ClientApp actor per core (Flower's default gives each actor 2 CPUs: one actor
+    # on a 2-core machine), each with its share of the data cache
+    federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
+    with_cache_share(env, min(nodes, os.cpu_count() or 1))
+    if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
+            not ray_address):  # an existing cluster's CPUs are its own
+        # a simulated node that times out holds its worker for node-timeout seconds:
+        # more (logical) workers than cores keep the others from queueing behind it
+        federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
+    cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
+           "--federation-config", federation]
+    if not quiet:
+        print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
+              f"({config.num_users} users) on a local SuperLink at 127.0.0.1:{link.port}",
+              flush=True)
+    try:
+        # a SuperLink that outlives this run must not start in this run's temp folder
+        workdir = session.workdir if session is not None and session.workdir else tmp
+        proc = subprocess.run(cmd, cwd=workdir, check=False, env=env,
+                              stdout=subprocess.DEVNULL if quiet else None,
+                              stderr=subprocess.DEVNULL if quiet else None)
+    except FileNotFoundError:
+        print(f"fedpriv: Flower's `flwr` command was found neither beside {sys.executable} "
+              "nor on PATH: install fedpriv's dependencies in this environment "
+              "(pip install -e .)", file=sys.stderr)
+        return 1
+    finally:
+        if stop:
+            link.stop()
     if proc.returncode != 0 or not out.is_file():
         print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
               f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -52,12 +53,15 @@ from fedpriv.deploy.commands import (
     write_connection,
 )
 from fedpriv.deploy.compose import compose_yaml
+from fedpriv.launcher import tool_path
 from fedpriv.outputs import release_path
 
 
 def _run(argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run a Flower command, found beside this interpreter first (``launcher.tool_path``)."""
     print("fedpriv: $ " + shlex.join(argv), flush=True)
-    return subprocess.run(list(argv), check=False, **kwargs)
+    env = tool_path(dict(kwargs.pop("env", None) or os.environ))
+    return subprocess.run(list(argv), check=False, env=env, **kwargs)
 
 
 def _tls(args: argparse.Namespace) -> str | None:
