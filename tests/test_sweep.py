@@ -231,12 +231,15 @@ def test_a_flower_sweep_shares_one_superlink_and_one_ray_head_and_stops_them(
         tmp_path, flower_env, flower_sessions, monkeypatch):
     from fedpriv import launcher, sweep
 
-    port = int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
+    # no SuperLink named: the session starts its own (free ports, a private FLWR_HOME)
+    monkeypatch.delenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT")
     heads = flower_sessions
     spec = load_sweep(write(tmp_path, FLOWER_SWEEP))
     rows = run_sweep(spec, tmp_path / "out", engine="flower", log=lambda _: None)
     assert [r["series"] for r in rows] == ["private-fedrep", "local-only"]
     (session,) = heads
+    port = session.link.port
+    assert not session.link.named and session.link.home is not None
     # every simulation ran on the session's Ray head: none started a Ray instance of its own
     assert session.ray_address and not _ray_sessions(flower_env["RAY_TMPDIR"])
     # ... and both are stopped at the end
@@ -250,4 +253,4 @@ def test_a_flower_sweep_shares_one_superlink_and_one_ray_head_and_stops_them(
     with pytest.raises(RuntimeError, match="a run failed"):
         run_sweep(load_sweep(write(tmp_path, FLOWER_SWEEP.replace('"flower"', '"again"'))),
                   tmp_path / "again", engine="flower", log=lambda _: None)
-    assert heads[-1]._head is None and not launcher._port_open(port)
+    assert heads[-1]._head is None and not launcher._port_open(heads[-1].link.port)
