@@ -25,6 +25,7 @@ from typing import Any
 from fedpriv.cohorts import CACHE_MB_ENV, DEFAULT_CACHE_MB, auto_num_nodes
 from fedpriv.config import RunConfig
 from fedpriv.config_files import app_config_keys, for_flower, toml_value
+from fedpriv.executables import tool_path
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 """Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""
@@ -99,16 +100,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def tool_path(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with this interpreter's scripts folder first on PATH: ``flwr``, ``ray`` and the
-    ``flower-superlink`` that ``flwr run`` starts are found beside the interpreter that runs
-    fedpriv, so an environment works without being activated (a cron job, an IDE, a script
-    calling /path/to/venv/bin/fedpriv)."""
-    scripts = str(Path(sys.executable).parent)
-    parts = env.get("PATH", "").split(os.pathsep)
-    return {**env, "PATH": os.pathsep.join([scripts, *[p for p in parts if p != scripts]])}
 
 
 @dataclass(frozen=True)

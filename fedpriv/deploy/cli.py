@@ -53,7 +53,7 @@ from fedpriv.deploy.commands import (
     write_connection,
 )
 from fedpriv.deploy.compose import compose_yaml
-from fedpriv.launcher import tool_path
+from fedpriv.executables import tool_path
 from fedpriv.outputs import release_path
 
 
