@@ -438,3 +438,19 @@ def test_the_full_grid_of_file_neighbours(tmp_path, algorithm, fmt, keys):
 def test_many_generated_adversarial_users(natural_csv, tmp_path, user):
     test_generated_adversarial_users_never_move_a_release_past_the_bound.hypothesis.inner_test(
         natural_csv, tmp_path, user)
+
+
+# ----- the command a user runs on their own data ------------------------------------------------
+def test_fedpriv_audit_neighbours_checks_a_users_own_file(tmp_path, natural_csv, capsys):
+    from fedpriv.cli import main
+
+    keys = {**FILE_KEYS, "dataset": "csv", "data-file": str(natural_csv), "rounds": 1}
+    args = ["audit", "--neighbours", "--releases", "1"]
+    for key, value in keys.items():
+        args += ["--set", f"{key}={value}"]
+    assert main([*args, "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[11/11]" in out and "11 of 11 releases within the stated sensitivity" in out
+    assert list(tmp_path.iterdir()) == []  # its neighbour files are removed after
+    assert main(["audit", "--neighbours", "--set", "algorithm=private-fedrep"]) == 2
+    assert "builds neighbours of your data file" in capsys.readouterr().err
