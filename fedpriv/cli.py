@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from fedpriv.config import ConfigError, RunConfig
+from fedpriv.config import ConfigError, RunConfig, default_mapping
 from fedpriv.config_files import load_run_config, parse_overrides
 from fedpriv.deploy import cli as deploy_cli
 from fedpriv.launcher import run_flower
@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.out:
             values["results-path"] = args.out
         elif not args.resume:
-            default = RunConfig.from_mapping(values, strict=True).defaults()["results-path"]
+            default = default_mapping()["results-path"]
             if values["results-path"] == default:  # the user named no path
                 values["results-path"] = str(unused_results_path(default))
         config = RunConfig.from_mapping(values, strict=True)
@@ -249,6 +249,7 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
     neighbours that differ in one user, each at most the stated sensitivity apart."""
     import tempfile
 
+    from fedpriv.algorithms.deep.params import FILE_SOURCES
     from fedpriv.neighbour_data import file_neighbours
     from fedpriv.neighbours import check_neighbour, table
     from fedpriv.privacy.accounting import InfeasiblePlanError
@@ -258,7 +259,7 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
     try:
         config = RunConfig.from_mapping(load_run_config(args.config, args.set or []),
                                         strict=True)
-        if not config.has("dataset") or config.dataset not in ("npz", "csv", "parquet"):
+        if not config.has("dataset") or config.dataset not in FILE_SOURCES:
             raise ConfigError("--neighbours: builds neighbours of your data file (dataset = "
                               "npz, csv or parquet); the synthetic problems and the built-in "
                               "datasets are covered by the project's tests "

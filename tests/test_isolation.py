@@ -224,6 +224,11 @@ def test_a_natural_run_divides_by_the_public_population_and_hosts_every_user(tmp
                                      "num-classes": 2, "num-users": 30, "hidden-sizes": "4",
                                      "rounds": 1, "epsilon": 2.0, "delta": 1e-5,
                                      "checkpoint": False})
+    cls = PrivateServer(config, 1, log=lambda _: None).algorithm.__class__
+    (note,) = cls.input_notes(config)  # fedpriv run prints it: 25 users, n = 30
+    assert "(25 users); the releases divide by num-users = 30" in note
+    assert cls.input_notes(RunConfig.from_mapping({**config.to_mapping(), "num-users": 25}))\
+        == []
     results = run_in_process(config, num_partitions=3, log=lambda _: None)
     (entry,) = results["privacy"]["ledger"]
     assert entry["l2_sensitivity"] == pytest.approx(config.clip_norm / 30)

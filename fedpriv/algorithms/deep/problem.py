@@ -23,6 +23,7 @@ with the default ``"test"`` split holds nothing back, so the figures' runs are u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -179,12 +180,25 @@ def model_of(config: Any) -> ModelSpec:
 def public_batch_size(config: Any) -> int:
     """The public b: ``local-batch-size``, or for ``max`` 32 on a data file and, on a built-in
     dataset, half its smallest user's training rows, at most 32 (its partition is a function
-    of the published dataset and the keys)."""
-    if config.local_batch_size != "max":
-        return int(config.local_batch_size)
-    if config.dataset in FILE_SOURCES:
+    of the published dataset and the keys). Reads no row of a data file."""
+    return _batch_size(config.local_batch_size, config.dataset,
+                       lambda: problem_of(config, features=False).users.train.counts)
+
+
+def _batch_size(batch: str, dataset: str, counts: Callable[[], np.ndarray]) -> int:
+    """``public_batch_size`` with the built-in partition's training row counts (asked for only
+    there)."""
+    if batch != "max":
+        return int(batch)
+    if dataset in FILE_SOURCES:
         return MAX_AUTO_BATCH
-    return problem_of(config, features=False).batch_size
+    rows = counts()  # a built-in dataset's partition is public: every user gets the same b
+    b = min(MAX_AUTO_BATCH, int(rows.min()) // 2)
+    if b < 1:
+        raise ConfigError(f"local-batch-size: user {int(np.argmin(rows))} of the {dataset} "
+                          f"partition has {int(rows.min())} training rows; two disjoint "
+                          "batches need 2 (fewer users or another partition)")
+    return b
 
 
 def problem_of(config: Any, features: bool = True) -> DeepProblem:
@@ -265,18 +279,7 @@ def _problem(key: tuple) -> DeepProblem:
     if hold:  # after the source: a node has read every training row of its users
         train, validation = held_back(users.train, hold, seed, keys)
         users = Partition(train, users.test)
-    counts = users.train.counts
-    if batch != "max":
-        b = int(batch)
-    elif dataset in FILE_SOURCES:
-        b = MAX_AUTO_BATCH
-    else:  # a built-in dataset's partition is public: every user gets the same b
-        smallest = int(counts.min())
-        b = min(MAX_AUTO_BATCH, smallest // 2)
-        if b < 1:
-            raise ConfigError(f"local-batch-size: user {int(np.argmin(counts))} of the "
-                              f"{dataset} partition has {smallest} training rows; two disjoint "
-                              "batches need 2 (fewer users or another partition)")
+    b = _batch_size(batch, dataset, lambda: users.train.counts)
     return DeepProblem(source, users, spec, b, resolve_device(device), keys,
                        _invalid_users(source, users, classes), validation)
 
