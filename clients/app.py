@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-# The built-in algorithms (torch among their imports, ~4.6 s cold here) load with the ClientApp,
+# The built-in algorithms (torch among their imports, slow to load cold) load with the ClientApp,
 # during node discovery, not in a node's first step, where they counted against node-timeout.
 import fedpriv.algorithms.catalogue  # noqa: F401
 from fedpriv import protocol as P

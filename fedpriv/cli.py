@@ -43,6 +43,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--ray-address attaches Flower's simulation engine to a Ray "
                               "cluster: it needs --engine flower")
         values = load_run_config(args.config, args.set or [])
+        for key in ("data-file", "data-dir"):  # the nodes and server have their own cwd
+            if str(values.get(key, "")).strip():
+                values[key] = str(Path(str(values[key])).expanduser().resolve())
         if args.resume:
             values["resume"] = True
         if args.out:
@@ -372,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     algos.add_argument("name", nargs="?", help="one algorithm, with each key's meaning")
     algos.add_argument("--verbose", action="store_true", help="each key's meaning and range")
     algos.add_argument("--markdown", action="store_true",
-                       help="the README's key tables (built-in algorithms)")
+                       help="the key tables of docs/reference/keys.md (built-in algorithms)")
     algos.add_argument("--flwr-config", action="store_true",
                        help="the Flower app's [tool.flwr.app.config] table")
     algos.set_defaults(func=cmd_algorithms)

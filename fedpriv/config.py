@@ -62,7 +62,8 @@ CORE = ParamGroup("every run", (
           *one_of(ACCOUNTANTS)),
     Param("neighbouring-relation", str, "add-remove", "user-level neighbouring relation: "
           "`add-remove` or `replace-one` user", *one_of(NEIGHBOURING_RELATIONS)),
-    Param("rounds", int, 5, "rounds T", positive, "an integer >= 1"),
+    Param("rounds", int, 0, "rounds T; `0` = the algorithm's own default", non_negative,
+          "an integer >= 1 (0: the algorithm's default)", fallback=5),
     Param("seed", int, 0, "run seed: data, batches and noise all derive from it",
           non_negative, "an integer >= 0", public=False),
     Param("users-per-node", int, 0, "users per SuperNode; 0 = auto (<= 10 nodes, cohorts >= 100 "
@@ -188,6 +189,10 @@ class RunConfig:
             raise ConfigError(f"{PLUGIN_CONFIG}: {clash} also given directly; give each key once")
         core = {p.attr: p.parse(values.get(p.key, p.default)) for p in CORE.params}
         own = algorithm_params(core["algorithm"])
+        from fedpriv.registry import get_algorithm
+
+        cls_ = get_algorithm(core["algorithm"])
+        core = {p.attr: _resolved(cls_, p, core[p.attr], core) for p in CORE.params}
         overlap = sorted(set(own) & set(_CORE))
         if overlap:
             raise ConfigError(f"algorithm: {core['algorithm']} redeclares core key(s) {overlap}")
@@ -198,7 +203,8 @@ class RunConfig:
                 raise ConfigError(f"{key}: set by the ClientApp of a SuperNode whose node "
                                   "config names its own data-file (it then reads only its "
                                   "users' rows); a run config does not set it")
-        params = tuple((p.key, p.parse(given.get(p.key, p.default))) for p in own.values())
+        params = tuple((p.key, _resolved(cls_, p, p.parse(given.get(p.key, p.default)), core))
+                       for p in own.values())
         config = cls(**core, params=params)
         config._check_relations()
         return config
@@ -225,9 +231,14 @@ class RunConfig:
         check(self, cls)
 
     def defaults(self) -> dict[str, Any]:
-        """The declared default of every key of this run (core and the algorithm's own)."""
-        return {**{p.key: p.default for p in CORE.params},
-                **{p.key: p.default for p in algorithm_params(self.algorithm).values()}}
+        """The default of every key of this run (core and the algorithm's own), per-algorithm
+        defaults resolved for its algorithm."""
+        from fedpriv.registry import get_algorithm
+
+        cls = get_algorithm(self.algorithm)
+        core = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {p.key: cls.default_of(p, core)
+                for p in (*CORE.params, *algorithm_params(self.algorithm).values())}
 
     @property
     def ceiling(self) -> float:
@@ -241,6 +252,14 @@ class RunConfig:
         core = {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)
                 if f.name not in ("params", "plugin_config")}  # its keys are in params
         return {**core, **dict(self.params)}
+
+
+def _resolved(cls: type, param: Param, value: Any, core: Mapping[str, Any]) -> Any:
+    """``value``, or the algorithm's own default where it is a per-algorithm key's placeholder
+    (a rule computed from the run's ``core`` keys)."""
+    if param.per_algorithm and value == param.default:
+        return cls.default_of(param, core)
+    return value
 
 
 def select_keys(values: Mapping[str, Any], algorithm: str | None = None) -> dict[str, Any]:

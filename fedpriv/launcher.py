@@ -235,6 +235,9 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         # installation (uv sync) by the SuperLink that `flwr run` starts, unless asked for
         env = link.env({**os.environ, NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL,
                                                                           "1")})
+        if env.get("PYTHONPATH"):  # the apps run in other folders: `PYTHONPATH=.` means here
+            env["PYTHONPATH"] = os.pathsep.join(
+                str(Path(p).resolve()) if p else p for p in env["PYTHONPATH"].split(os.pathsep))
         if ray_address:
             if not started_here:
                 print(f"fedpriv: --ray-address needs a fresh local SuperLink, but the one named "

@@ -130,10 +130,11 @@ def _natural_cases(rows: Rows, user: object, cap: int, classes: int) -> dict[str
     others = rows.take(~mine)
     own = rows.take(mine)
     if ids.dtype.kind in "iu":
-        low, high = ids.min() - 1, ids.max() + 1
-    else:
-        low, high = "!" + str(ids.min()), str(ids.max()) + "~"
-    renamed = lambda new: replace(own, users=np.full(len(own.users), new, dtype=ids.dtype))  # noqa: E731
+        low, high = ids[0] - 1, ids[-1] + 1  # np.unique sorts
+    else:  # text ids: below and above every id (numpy has no min of strings)
+        low, high = "!" + str(ids[0]), str(ids[-1]) + "~"
+    renamed = lambda new: replace(own, users=np.full(  # noqa: E731 (wide enough for the new id)
+        len(own.users), new, dtype=np.result_type(ids.dtype, np.asarray(new).dtype)))
     train = np.flatnonzero(own.splits == "train")
     label = own.labels.copy()
     label[train[0]] = classes + 9

@@ -4,7 +4,7 @@ A ``Param`` is one kebab-case run-config key with its type, default, allowed ran
 core config (``fedpriv.config``) declares what every run has; an algorithm, or a family of
 algorithms, declares its own keys next to its code as ``ParamGroup``s and lists them in its
 ``components`` (see ``fedpriv.algorithms.base.Algorithm``). Everything that lists or checks keys
-reads these declarations: validation, ``fedpriv algorithms``, the README key tables, checkpoint
+reads these declarations: validation, ``fedpriv algorithms``, the documented key tables, checkpoint
 compatibility and the Flower app's ``[tool.flwr.app.config]``.
 
 A key shared by several components (``clip-norm``, say) is one ``Param`` object imported where it
@@ -16,7 +16,7 @@ from fedpriv.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,9 @@ class Param:
     change when an interrupted run is resumed (where results go, how the run is operated), never
     one that changes what the run computes. ``public = False`` keeps a key out of the release
     of a run (``fedpriv.outputs``): seeds, paths, anything that is not for publication.
+    ``fallback`` marks a key whose good default depends on the algorithm (``rounds``, say):
+    ``default`` is then a placeholder outside the key's working range that each algorithm
+    replaces by its own value, and ``fallback`` is that value for algorithms that name none.
     """
 
     key: str
@@ -44,6 +47,14 @@ class Param:
     allowed: str = ""
     resumable: bool = False
     public: bool = True
+    fallback: Any = None
+
+    @property
+    def per_algorithm(self) -> bool:
+        """Whether the default depends on the algorithm: ``default`` is then a placeholder
+        ("the algorithm's own"), resolved to the algorithm's ``defaults`` entry, or to
+        ``fallback`` when it names none (``fedpriv.algorithms.base.Algorithm.default_of``)."""
+        return self.fallback is not None
 
     def __post_init__(self) -> None:
         if self.kind not in (bool, int, float, str):
@@ -76,6 +87,19 @@ class ParamGroup:
 
     def __post_init__(self) -> None:
         merge_params([self])  # no key twice within a group
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An algorithm's default computed from the run's core keys (``num-users``, ``epsilon``,
+    ...: a mapping by attribute name), where one number cannot suit every problem size;
+    ``text`` says the rule in listings."""
+
+    compute: Callable[[Mapping[str, Any]], Any]
+    text: str
+
+    def __call__(self, core: Mapping[str, Any]) -> Any:
+        return self.compute(core)
 
 
 def merge_params(groups: Iterable[ParamGroup]) -> dict[str, Param]:

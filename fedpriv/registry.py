@@ -3,7 +3,7 @@ run-config.
 
 The built-in algorithms are listed in ``fedpriv.algorithms.catalogue``; third-party packages add
 their own through the ``fedpriv.algorithms`` entry point group (``name =
-"package.module:AlgorithmClass"``; see the README, "Writing an algorithm"). Algorithm modules do
+"package.module:AlgorithmClass"``; see docs/tutorials/own-algorithm.md). Algorithm modules do
 not import this module, so the registry can import them without a circle. ``register`` adds a
 class programmatically (tests, notebooks).
 """

@@ -381,9 +381,8 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
 
 
 # glibc malloc for the workers: keep freed memory (up to 32 MiB blocks) instead of handing it
-# back and faulting it in again on every vectorized step. Measured on a deep local-only run
-# (Fashion-MNIST, N = 2,000, two runs side by side): 68 s without, 44 s with; a Private FedRep
-# run: 35 s either way. A variable already set in the environment wins.
+# back and faulting it in again on every vectorized step, which slows runs side by side
+# (docs/measurements.md). A variable already set in the environment wins.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
               "MALLOC_TOP_PAD_": str(512 * 2**20)}
 

@@ -26,7 +26,10 @@ from fedpriv.registry import get_algorithm
 from fedpriv.server.report import summary_lines
 
 SMALL = {"dataset": "digits", "num-users": 60, "hidden-sizes": "32", "rounds": 2,
-         "checkpoint": False, "epsilon": 2.0, "delta": 1e-5}
+         "checkpoint": False, "epsilon": 2.0, "delta": 1e-5,
+         # the tests' own hyperparameters, not the algorithms' (tuned) defaults
+         "learning-rate": 1.0, "clip-quantile": 0.0, "cross-fit": 0}
+ROUND_KEYS = ("rounds", "learning-rate", "clip-quantile")  # deep-local-only has no rounds
 DEEP = ("deep-private-fedrep", "deep-fedrep", "deep-dp-fedavg", "deep-dp-fedavg-ft",
         "deep-fedavg-ft", "deep-local-only")
 
@@ -34,7 +37,8 @@ DEEP = ("deep-private-fedrep", "deep-fedrep", "deep-dp-fedavg", "deep-dp-fedavg-
 def config(algorithm="deep-private-fedrep", **keys):
     mapping = {"algorithm": algorithm, **SMALL, **{k.replace("_", "-"): v for k, v in keys.items()}}
     if algorithm == "deep-local-only":
-        mapping.pop("rounds")
+        for key in ROUND_KEYS:
+            mapping.pop(key)
     return RunConfig.from_mapping(mapping, strict=True)
 
 

@@ -223,7 +223,7 @@ def test_a_natural_run_divides_by_the_public_population_and_hosts_every_user(tmp
                                      "data-file": str(path), "partition": "natural",
                                      "num-classes": 2, "num-users": 30, "hidden-sizes": "4",
                                      "rounds": 1, "epsilon": 2.0, "delta": 1e-5,
-                                     "checkpoint": False})
+                                     "clip-quantile": 0.0, "checkpoint": False})
     cls = PrivateServer(config, 1, log=lambda _: None).algorithm.__class__
     (note,) = cls.input_notes(config)  # fedpriv run prints it: 25 users, n = 30
     assert "(25 users); the releases divide by num-users = 30" in note

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -450,7 +451,25 @@ def test_fedpriv_audit_neighbours_checks_a_users_own_file(tmp_path, natural_csv,
         args += ["--set", f"{key}={value}"]
     assert main([*args, "--work", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "[11/11]" in out and "11 of 11 releases within the stated sensitivity" in out
+    # one round of the default adaptive clipping releases two arrays: the update and the count
+    assert "[11/11]" in out and "22 of 22 releases within the stated sensitivity" in out
     assert list(tmp_path.iterdir()) == []  # its neighbour files are removed after
     assert main(["audit", "--neighbours", "--set", "algorithm=private-fedrep"]) == 2
     assert "builds neighbours of your data file" in capsys.readouterr().err
+
+
+def test_text_ids_get_neighbours_added_below_and_above_every_id(tmp_path):
+    """Users named by text (``user007``): the added copies get new ids sorting below and above
+    every id, whole (not cut to the width of the file's ids)."""
+    from fedpriv.neighbour_data import _natural_cases
+
+    rows = natural_rows()
+    named = replace(rows, users=np.array([f"user{u:03d}" for u in rows.users]))
+    ids = set(np.unique(named.users).tolist())
+    cases = _natural_cases(named, "user483", 1000, 10)
+    for case, low in (("a copy added with the smallest id", True),
+                      ("a copy added with the largest id", False)):
+        new = set(cases[case][1].users.tolist()) - ids
+        assert len(new) == 1, case
+        (added,) = new
+        assert (added < min(ids)) if low else (added > max(ids)), (case, added)

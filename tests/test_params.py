@@ -92,7 +92,7 @@ def test_fedpriv_algorithms_lists_every_algorithm_with_its_keys_and_defaults(cap
     for cls in BUILTIN:
         assert f"\n{cls.name}" in out
         for key, param in cls.declared_params().items():
-            assert f"{key}={toml_value(param.default)}" in out
+            assert f"{key}={toml_value(cls.default_of(param))}" in out
     assert "FedRep rounds: learning-rate=1.0, clip-norm=0.5, clipping=true, batch-size=\"max\"" \
         in out
     assert main(["algorithms", "priv-altmin"]) == 0
@@ -100,11 +100,11 @@ def test_fedpriv_algorithms_lists_every_algorithm_with_its_keys_and_defaults(cap
     assert main(["algorithms", "no-such"]) == 2
 
 
-def test_the_readme_key_tables_are_the_rendering_of_the_declarations():
-    text = (ROOT / "README.md").read_text()
+def test_the_key_reference_tables_are_the_rendering_of_the_declarations():
+    text = (ROOT / "docs" / "reference" / "keys.md").read_text()
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     assert text[start:end] == markdown_tables(), \
-        "regenerate the README section with: fedpriv algorithms --markdown"
+        "regenerate the docs/reference/keys.md section with: fedpriv algorithms --markdown"
 
 
 def test_a_key_is_one_declaration_across_every_builtin():
@@ -232,3 +232,59 @@ def test_a_broken_or_conflicting_plugin_is_reported_and_does_not_stop_other_runs
     assert RunConfig.from_mapping({"algorithm": "a-exp"}, strict=True).algorithm == "a-exp"
     with pytest.raises(ConfigError, match="missing_dependency"):
         RunConfig.from_mapping({"algorithm": "broken"})
+
+
+# ----- per-algorithm defaults ------------------------------------------------------------------
+PER_ALGORITHM = ("rounds", "learning-rate", "clip-quantile")
+
+
+def test_per_algorithm_keys_resolve_to_each_algorithms_own_default():
+    """A key whose good value depends on the algorithm (``rounds``, say) holds a placeholder;
+    the run config holds the algorithm's own value, the same whether the key is absent or
+    given as the placeholder (as Flower's app config gives every key)."""
+    deep = RunConfig.from_mapping({"algorithm": "deep-dp-fedavg-ft", "num-users": 200})
+    assert (deep.rounds, deep.learning_rate, deep.clip_quantile) == (10, 0.25, 0.5)
+    flwr_like = RunConfig.from_mapping({"algorithm": "deep-private-fedrep", "num-users": 200,
+                                        "rounds": 0, "learning-rate": 0.0,
+                                        "clip-quantile": -1.0})
+    assert (flwr_like.rounds, flwr_like.learning_rate, flwr_like.clip_quantile) == (
+        10, 0.25, 0.5)
+    fedrep = RunConfig.from_mapping({"algorithm": "deep-fedrep", "num-users": 200})
+    assert (fedrep.rounds, fedrep.learning_rate, fedrep.clip_quantile) == (40, 2.0, 0.0)
+    linear = RunConfig.from_mapping({"algorithm": "private-fedrep"})  # the fallbacks
+    assert (linear.rounds, linear.learning_rate) == (5, 1.0)
+    given = RunConfig.from_mapping({"algorithm": "deep-dp-fedavg-ft", "num-users": 200,
+                                    "rounds": 7, "learning-rate": 0.5, "clip-quantile": 0.0})
+    assert (given.rounds, given.learning_rate, given.clip_quantile) == (7, 0.5, 0.0)
+    assert deep.defaults()["rounds"] == 10 and linear.defaults()["rounds"] == 5
+    # the private deep rounds follow epsilon x the population / 50, within 10..40
+    for users, epsilon, rounds in ((200, 1, 10), (1000, 1, 20), (2000, 1, 40), (6000, 1, 40),
+                                   (2000, 0.5, 20), (2000, 8, 40), (1000, 0.1, 10)):
+        assert RunConfig.from_mapping({"algorithm": "deep-private-fedrep", "num-users": users,
+                                       "epsilon": epsilon, "dataset": "fashion-mnist"}
+                                      ).rounds == rounds
+    assert RunConfig.from_mapping({"algorithm": "deep-fedrep", "num-users": 200}).rounds == 40
+    assert deep.to_mapping()["rounds"] == 10  # the results file holds what ran
+
+
+def test_every_builtin_default_is_a_working_value():
+    """No algorithm resolves a per-algorithm key to its placeholder or outside its range."""
+    for cls in BUILTIN:
+        for param in (*CORE.params, *cls.declared_params().values()):
+            if not param.per_algorithm:
+                continue
+            for users in (1, 60, 1000, 2000, 10**7):
+                core = {"num_users": users, "epsilon": 1.0, "delta": 1e-6}
+                value = cls.default_of(param, core)
+                assert value != param.default, (cls.name, param.key)
+                assert param.parse(value) == value
+        assert set(cls.defaults) <= {p.key for p in CORE.params} | set(cls.declared_params()), \
+            cls.name
+
+
+def test_key_tables_say_what_a_per_algorithm_placeholder_means():
+    tables = markdown_tables()
+    assert ("| `rounds` | `0`: 5; deep-private-fedrep, deep-dp-fedavg, deep-dp-fedavg-ft: "
+            "epsilon x num-users / 50, within 10..40; deep-fedrep, deep-fedavg-ft: 40 |") in tables
+    assert "deep-private-fedrep, deep-dp-fedavg, deep-dp-fedavg-ft: 0.25; deep-fedrep: 2.0" \
+        in tables

@@ -89,7 +89,7 @@ def test_a_sweep_writes_table_and_figure_and_reuses_finished_runs(tmp_path, caps
     (('algorithm = "local-only"', 'algorithm = "no-such-thing"'), "unknown algorithm"),
     (("dim = 16", "dim = 16\nepsilon = 3"), "set by the sweep"),
     (("dim = 16", "dim = -8"), "dim"),
-    (("set = { clipping = false }", "set = { clipping = false, rounds = 0 }"), "rounds"),
+    (("set = { clipping = false }", "set = { clipping = false, rounds = -1 }"), "rounds"),
     (("[base]", "[base]\nclipping = false"), "clipping"),
 ])
 def test_bad_sweeps_fail_before_any_run_naming_the_problem(tmp_path, change, message, capsys):

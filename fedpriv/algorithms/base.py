@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedpriv.params import ConfigError, Param, ParamGroup, merge_params
+from fedpriv.params import ConfigError, Param, ParamGroup, Rule, merge_params
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import gaussian_noise, symmetric_gaussian_noise
 
@@ -131,6 +131,9 @@ class Algorithm:
     # the run-config keys the algorithm reads besides the core ones, one group per component
     # (problem, initialization, rounds, ...); a subclass extends its parent's tuple
     components: ClassVar[tuple[ParamGroup, ...]] = ()
+    # the algorithm's own defaults of keys whose good value depends on the algorithm (a
+    # ``Param`` with a ``fallback``: ``rounds``, ``learning-rate``, ...)
+    defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -140,6 +143,19 @@ class Algorithm:
     def declared_params(cls) -> dict[str, Param]:
         """Every key of the algorithm's components (a shared key is one declaration)."""
         return merge_params(cls.components)
+
+    @classmethod
+    def default_of(cls, param: Param, core: Mapping[str, Any] | None = None) -> Any:
+        """The default of ``param`` for this algorithm: its own entry in ``defaults`` for a
+        per-algorithm key, else the key's fallback; a plain key's declared default. An entry
+        that is a ``Rule`` is computed from ``core`` (the run's core keys by attribute name);
+        without ``core`` the rule itself is returned (for listings)."""
+        if not param.per_algorithm:
+            return param.default
+        value = cls.defaults.get(param.key, param.fallback)
+        if isinstance(value, Rule):
+            return value if core is None else param.parse(value(core))
+        return param.parse(value)
 
     @classmethod
     def validate(cls, config: Any) -> None:

@@ -33,8 +33,9 @@ VALIDATION_SAMPLES = Param("validation-samples-per-user", int, 10, "held-back va
                            "an integer >= 1")
 
 # ----- gradient rounds --------------------------------------------------------------------------
-LEARNING_RATE = Param("learning-rate", float, 1.0, "server step size eta", positive,
-                      "a number > 0")
+LEARNING_RATE = Param("learning-rate", float, 0.0, "server step size eta; `0` = the "
+                      "algorithm's own default", non_negative, "a number > 0 (0: the "
+                      "algorithm's default)", fallback=1.0)
 CLIP_NORM = Param("clip-norm", float, 0.5, "psi: per-user L2 (Frobenius) clip of the gradient",
                   positive, "a number > 0")
 CLIPPING = Param("clipping", bool, True, "clip per-user contributions; `false` only for the "

@@ -12,9 +12,8 @@ and reads only its own users' rows: nothing is exchanged. Schemes:
 Both are recomputed here in NumPy, draw for draw (the core never imports Flower's packages, and
 ``datasets``/``pyarrow`` stay out of the runtime); a test compares them with flwr-datasets.
 * ``iid``: a seeded permutation cut into near-equal shares. (``IidPartitioner.load_partition``
-  builds one ``datasets.Dataset`` per user: about 10 s for 6,000 users here, extrapolated from
-  50 measured partitions, against
-  milliseconds for the permutation, so the permutation is computed directly.)
+  builds one ``datasets.Dataset`` per user, far slower than the permutation, so the permutation
+  is computed directly.)
 * ``natural``: the data's own user column (``Source.user_train``): every user of the file, user i
   the i-th smallest id, each with a randomness key of its own id (``user_keys``).
 

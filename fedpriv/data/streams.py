@@ -3,8 +3,8 @@
 A user's synthetic data is drawn from ``np.random.default_rng([*key, user_id])``: a pure
 function of (seed, stream, user), so any node regenerates exactly the users it hosts. Built one
 user at a time, that generator costs more than the data it draws (a ``SeedSequence``, a
-``PCG64`` and a ``Generator`` per user: ~25-45 µs here, against ~8 µs for the 550 normals of a
-paper-setting user), and at 10^6 users the seeding alone took most of a pass over the data.
+``PCG64`` and a ``Generator`` per user, several times the draws of a paper-setting user), so at
+many users the seeding alone would dominate a pass over the data.
 
 This module gives the *same* streams faster, bit for bit:
 

@@ -40,7 +40,7 @@ _HEADER = """\
 #
 {mode}
 #
-# Usage (README.md, section "Deployment"):  docker compose{file} up --build
+# Usage (docs/tutorials/deployment.md):  docker compose{file} up --build
 # The results land in ./{results_dir}/{results}, a folder mounted into the
 # SuperLink's container, where the ServerApp runs and writes them.
 """

@@ -2,7 +2,7 @@
 
 Pure functions of their arguments: the server passes in what it counted and released. The
 results dict is the results file (``fedpriv.engine.write_results``); its fields are documented
-in the README.
+in docs/concepts/release-and-report.md.
 """
 
 from __future__ import annotations

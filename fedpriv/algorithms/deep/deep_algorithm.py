@@ -34,7 +34,14 @@ from fedpriv.algorithms.base import EXACT_EVAL, Algorithm, Part, Step, UserContr
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.batches import cross_fitted, disjoint_batches, take_rows
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum, ghost_layers
-from fedpriv.algorithms.deep.params import DATA, FILE_SOURCES, LOCAL, MODEL, ROUNDS
+from fedpriv.algorithms.deep.params import (
+    DATA,
+    FILE_SOURCES,
+    LOCAL,
+    MODEL,
+    PRIVATE_DEFAULTS,
+    ROUNDS,
+)
 from fedpriv.algorithms.deep.problem import (
     DeepProblem,
     chunk_users,
@@ -97,16 +104,11 @@ def summarize(sums: Mapping[str, float], prefix: str = "acc") -> dict[str, float
             **unscored}
 
 
-# rows (both batches, 2b a user) per ghost-clipping call: 2,048-4,096 ran fastest on 2 cores
-# (Fashion-MNIST MLP, one chunk of 480 users split into calls of 1,024 / 2,048 / 3,072 / 4,096 /
-# 8,192 rows: DP-FedAvg 2,041 / 2,207 / 2,170 / 2,096 / 1,746 users/s, Private FedRep 1,689 /
-# 2,139 / 2,336 / 2,408 / 2,381)
+# rows (both batches, 2b a user) per ghost-clipping call: the float64 Grams and products run
+# fastest cache-sized (docs/measurements.md)
 GHOST_ROWS = 3072
 # and at most this many floats of the rows' inputs and activations per call (64 MiB float32):
-# memory-bound bodies run faster in smaller calls. It leaves the MLP at GHOST_ROWS (3,072 x
-# 2,346 floats) and gives the built-in cnn (44,954 floats a row) 14 users a call (Fashion-MNIST,
-# 240 users in calls of 4 / 8 / 16 / 30 / 60 users: DP-FedAvg 256 / 267 / 216 / 197 / 155
-# users/s, Private FedRep 212 / 273 / 303 / 323 / 259)
+# memory-bound bodies (the built-in cnn) run faster in smaller calls; the MLP stays at GHOST_ROWS
 GHOST_FLOATS = 2**24
 
 
@@ -114,6 +116,7 @@ class DeepAlgorithm(Algorithm):
     """T rounds of clipped, noised local updates of a torch model, then personal fits."""
 
     components = (DATA, MODEL, LOCAL, ROUNDS)
+    defaults = PRIVATE_DEFAULTS
     trains: ClassVar[str] = "body"
     final_fit: ClassVar[str] = "head"
 
@@ -290,7 +293,7 @@ class DeepAlgorithm(Algorithm):
         """Users per vectorized call of a round: what ``chunk-mb`` holds, and with ghost
         clipping at most ``GHOST_ROWS`` rows of their two batches (2b a user: its float64
         Grams and products run fastest cache-sized) holding at most ``GHOST_FLOATS`` floats of
-        inputs and activations (measured as the comments there say)."""
+        inputs and activations (why: the comments there)."""
         spec, b = problem.spec, problem.batch_size
         own = spec.body_size if cls.trains == "body" else spec.size
         ghost = config.body_steps == 1 and ghost_layers(spec, cls.trains == "body")

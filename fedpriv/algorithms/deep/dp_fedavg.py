@@ -33,3 +33,4 @@ class DeepFedAvgFT(DeepDPFedAvgFT):
     name = "deep-fedavg-ft"
     summary = "FedAvg, then each user fine-tunes the head (non-private baseline)"
     private = False
+    defaults = {"rounds": 40, "learning-rate": 1.0}

@@ -12,7 +12,7 @@ the stronger of the two on the mean.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ class DeepLocalOnly(DeepAlgorithm):
     name = "deep-local-only"
     summary = "each user alone: a linear model on raw inputs or its own network (baseline)"
     private = False
+    defaults: ClassVar[Mapping[str, Any]] = {}  # no rounds
     components = (DATA, MODEL, LOCAL)
 
     def privacy_plan(self) -> list[PlannedRelease]:

@@ -4,6 +4,7 @@ Algorithms list these groups in their ``components``; see ``fedpriv.params``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fedpriv.algorithms.shared_params import (
@@ -15,7 +16,15 @@ from fedpriv.algorithms.shared_params import (
 from fedpriv.data.partition import SCHEMES
 from fedpriv.data.sources import SOURCES
 from fedpriv.data.tables import TABLE_FORMATS
-from fedpriv.params import ConfigError, Param, ParamGroup, non_negative, one_of, positive
+from fedpriv.params import (
+    ConfigError,
+    Param,
+    ParamGroup,
+    Rule,
+    non_negative,
+    one_of,
+    positive,
+)
 
 DEVICES = ("auto", "cpu", "cuda")
 FILE_SOURCES = ("npz", *TABLE_FORMATS)
@@ -131,12 +140,12 @@ LOCAL = ParamGroup("deep local work", (
           "batches of half its rows (its own computation only)",
           lambda x: x == "max" or (x.isdigit() and int(x) >= 1), "'max' or an integer >= 1"),
     Param("head-steps", int, 100, "gradient steps of a user's head fit (body frozen) per "
-          "round (Fashion-MNIST, non-private FedRep: 10 steps 0.687, 30 0.782, 100 0.859)",
+          "round; too few leave the head under-fitted and the accuracy lower",
           non_negative, "an integer >= 0"),
     Param("head-lr", float, 1.0, "step size of the head fits in units of 1/L (L bounds the "
           "smoothness of the user's loss in its head, from its own features): <= 1 never "
           "diverges", positive, "a number > 0"),
-    Param("cross-fit", int, 0, "FedRep's rounds: 0 = the paper's split (the head fitted on the "
+    Param("cross-fit", int, 2, "FedRep's rounds: 0 = the paper's split (the head fitted on the "
           "first batch, the body's gradient on the second); k >= 2 = k-fold cross-fitting: "
           "both batches' 2b rows in k folds, head j fitted on the other k - 1 folds and the "
           "body's gradient on fold j through head j (every row reaches the body, no head "
@@ -167,10 +176,12 @@ ROUNDS = ParamGroup("deep rounds", (
     Param("users-per-round", int, 0, "0 = every user every round (as the papers); m > 0 = "
           "Poisson cohorts of expected size m, accounted with sampling amplification",
           non_negative, "an integer >= 0"),
-    Param("clip-quantile", float, 0.0, "0 = the fixed clip-norm; gamma in (0, 1) = adaptive "
+    Param("clip-quantile", float, -1.0, "0 = the fixed clip-norm; gamma in (0, 1) = adaptive "
           "clipping (Andrew et al. 2021): the clip starts at clip-norm and follows the "
           "gamma-quantile of the users' update norms, learned from a noisy count of unclipped "
-          "users released with each round", lambda x: 0 <= x < 1, "a number in [0, 1)"),
+          "users released with each round; `-1` = the algorithm's default",
+          lambda x: x == -1 or 0 <= x < 1, "a number in [0, 1) (-1: the algorithm's default)",
+          fallback=0.0),
     Param("clip-lr", float, 0.2, "adaptive clipping: the clip's geometric step per round, "
           "C <- C exp(-clip-lr (noisy unclipped fraction - clip-quantile))", positive,
           "a number > 0"),
@@ -184,3 +195,15 @@ ROUNDS = ParamGroup("deep rounds", (
           "nothing released, no epsilon; each costs one final fit); 0 = the final step only",
           non_negative, "an integer >= 0"),
 ), _check_rounds)
+
+def _private_rounds(core: Mapping[str, Any]) -> int:
+    """Rounds a private deep run's budget carries: the noise of each round's mean is z C / n
+    with z growing as sqrt(T) / epsilon, so fewer users or a smaller epsilon afford fewer
+    rounds (docs: defaults)."""
+    return int(min(40, max(10, round(core["epsilon"] * core["num_users"] / 50))))
+
+
+# The private deep algorithms' defaults (docs/defaults.md: how they were chosen): the rounds
+# follow the population; the rest are one setting for every size.
+PRIVATE_DEFAULTS = {"rounds": Rule(_private_rounds, "epsilon x num-users / 50, within 10..40"),
+                    "learning-rate": 0.25, "clip-quantile": 0.5}

@@ -43,7 +43,8 @@ class ExponentialMechanism(Algorithm):
 
     @classmethod
     def scores_per_second(cls, config: Any) -> float:
-        """Measured on one core of the 2-core CI machine (m = 10): rank 1 and 2."""
+        """User scores per second on one core, for the run-time estimate in the refusal (where
+        measured: docs/measurements.md)."""
         return 2e6 if config.rank == 1 else 2e5
 
     size_advice: ClassVar[str] = "lower candidates"

@@ -25,8 +25,7 @@ class _OnePass(MetaAlgorithm):
     """DP-FTMRL: every task once, in T disjoint batches, tree-aggregated noise."""
 
     # the released batch means are summed into prefix sums whose tree noise cancels only if
-    # every batch keeps its scale (measured: 20% failing nodes, worst ratio 1.10 without the
-    # rescale, 1.22 with it)
+    # every batch keeps its scale: rescaling for missing nodes did worse (docs/measurements.md)
     rescale_for_missing_nodes = False
     components = (*MetaAlgorithm.components, META_ROUNDS)
 

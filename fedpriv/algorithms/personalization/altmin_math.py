@@ -28,8 +28,8 @@ def sample_split(train_samples: int) -> int:
 
     The paper uses quarters of m (``[1, m/4]`` for ``v``, ``(m/4, m/2]`` for the statistics,
     ``(m/2, m]`` for the final fit). With an odd training half the extra sample solves ``v``:
-    at m = 10, k = 2 an exactly determined 2 x 2 solve is heavy-tailed (measured: unclipped
-    non-private AltMin diverges with a 2/3 split and converges with 3/2).
+    at m = 10, k = 2 an exactly determined 2 x 2 solve is heavy-tailed enough to make
+    unclipped AltMin diverge (docs/measurements.md).
     """
     if train_samples < 2:
         raise ValueError(f"Priv-AltMin needs at least 2 training samples per user, got "
