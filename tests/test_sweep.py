@@ -254,3 +254,25 @@ def test_a_flower_sweep_shares_one_superlink_and_one_ray_head_and_stops_them(
         run_sweep(load_sweep(write(tmp_path, FLOWER_SWEEP.replace('"flower"', '"again"'))),
                   tmp_path / "again", engine="flower", log=lambda _: None)
     assert heads[-1]._head is None and not launcher._port_open(heads[-1].link.port)
+
+
+def test_figure_configs_set_the_hyperparameters_that_defaults_may_change():
+    """A stored figure never depends on a tuned default: every run of an algorithm with
+    defaults of its own (and of the deep cross-fitting) names those keys in its sweep file,
+    so a change of a default changes no figure."""
+    from pathlib import Path
+
+    from fedpriv.registry import get_algorithm
+
+    root = Path(__file__).resolve().parents[1]
+    checked = 0
+    for path in sorted((root / "configs").glob("*.toml")):
+        if "[sweep]" not in path.read_text():
+            continue
+        for run in load_sweep(path).runs:
+            cls = get_algorithm(run.algorithm)
+            tuned = set(cls.defaults) | ({"cross-fit"} & set(cls.declared_params()))
+            missing = sorted(tuned - set(run.values))
+            assert not missing, f"{path.name}, {run.series}: set {missing} in the file"
+            checked += bool(tuned)
+    assert checked > 100  # the deep figures' runs
