@@ -2,7 +2,7 @@
 what the nodes run) against a plain per-user loop (one ``nn.Module`` and ``torch.optim.SGD``
 per user, the way a Flower or Opacus example computes one client's update).
 
-Default: the Fashion-MNIST setting of the README (label skew, S = 5, N = 2,000 users, about 30
+Default: the Fashion-MNIST setting of docs/results.md (label skew, S = 5, N = 2,000 users, about 30
 training images each, the default MLP). One round of each algorithm family's local work, up
 to the chunk's clipped sum (what a node sends; ``clip-norm`` as configured):
 
