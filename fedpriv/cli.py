@@ -43,9 +43,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--ray-address attaches Flower's simulation engine to a Ray "
                               "cluster: it needs --engine flower")
         values = load_run_config(args.config, args.set or [])
-        for key in ("data-file", "data-dir"):  # the nodes and server have their own cwd
-            if str(values.get(key, "")).strip():
-                values[key] = str(Path(str(values[key])).expanduser().resolve())
         if args.resume:
             values["resume"] = True
         if args.out:

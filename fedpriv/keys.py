@@ -86,8 +86,7 @@ def _table(params: tuple[Param, ...] | list[Param]) -> list[str]:
 
 def markdown_tables() -> str:
     """The key reference tables (docs/reference/keys.md): the core keys, then one table per
-    component of the built-in
-    algorithms, each naming the algorithms that read it."""
+    component of the built-in algorithms, each naming the algorithms that read it."""
     lines = [README_BEGIN, "", f"**{CORE.name.capitalize()}** (core keys):", ""]
     lines += _table(CORE.params)
     for group, names in _groups(builtin_algorithms()):

@@ -261,7 +261,10 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     ``stop``."""
     nodes = auto_num_nodes(config.num_users, config.users_per_node)
     run_config = Path(tmp) / "run-config.toml"
-    flower_values = for_flower({**values, "results-path": str(out)},
+    # absolute paths: the ServerApp and ClientApps resolve relative ones against their own cwd
+    paths = {key: str(Path(str(values[key])).expanduser().resolve())
+             for key in ("data-file", "data-dir") if str(values.get(key, "")).strip()}
+    flower_values = for_flower({**values, **paths, "results-path": str(out)},
                                app_config_keys(project_dir()))
     run_config.write_text("".join(f"{key} = {toml_value(value)}\n"
                                   for key, value in flower_values.items()))

@@ -118,9 +118,11 @@ def _brace_expanded(path: str) -> list[str]:
 
 def run_block(block: Block, work: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(work)}
+    expected, args = 0, block.arg
+    if block.mode == "fails":
+        code, _, args = block.arg.partition(" ")
+        expected = int(code)
     if block.language == "bash":
-        args = block.arg.split(maxsplit=1)[1] if block.mode == "fails" and " " in block.arg \
-            else ("" if block.mode == "fails" else block.arg)
         script = "set -euo pipefail\n" + with_small_settings(block.code, args)
         command = ["bash", "-c", script]
     else:
@@ -129,7 +131,6 @@ def run_block(block: Block, work: Path) -> None:
         command = [sys.executable, str(script_path)]
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True,
                           timeout=900)
-    expected = int(block.arg.split()[0]) if block.mode == "fails" else 0
     assert done.returncode == expected, (
         f"{block.where()}: exit {done.returncode}, expected {expected}\n--- script\n"
         f"{' '.join(map(shlex.quote, command))[:2000]}\n--- output\n"

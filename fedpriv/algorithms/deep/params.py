@@ -196,6 +196,7 @@ ROUNDS = ParamGroup("deep rounds", (
           non_negative, "an integer >= 0"),
 ), _check_rounds)
 
+
 def _private_rounds(core: Mapping[str, Any]) -> int:
     """Rounds a private deep run's budget carries: the noise of each round's mean is z C / n
     with z growing as sqrt(T) / epsilon, so fewer users or a smaller epsilon afford fewer
@@ -204,6 +205,6 @@ def _private_rounds(core: Mapping[str, Any]) -> int:
 
 
 # The private deep algorithms' defaults (docs/defaults.md: how they were chosen): the rounds
-# follow the population; the rest are one setting for every size.
+# follow epsilon x the population; the rest are one setting for every size.
 PRIVATE_DEFAULTS = {"rounds": Rule(_private_rounds, "epsilon x num-users / 50, within 10..40"),
                     "learning-rate": 0.25, "clip-quantile": 0.5}
