@@ -21,10 +21,11 @@ import fedpriv.algorithms.catalogue  # noqa: F401
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.deep.params import FILE_SOURCES
-from fedpriv.cohorts import node_step
 from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.evaluation import algorithm_for
 from fedpriv.faults import corrupted, failing_partitions
+from fedpriv.nodes import node_step
 
 app = ClientApp()
 
@@ -48,7 +49,7 @@ def _run_config(context: Context, pid: int, parts: int) -> RunConfig:
     own_file = context.node_config.get(P.KEY_DATA_FILE)
     if own_file and values.get("dataset") in FILE_SOURCES:  # else the run reads no data file
         values.update({P.KEY_DATA_FILE: str(own_file), P.KEY_DATA_PART: f"{pid}/{parts}"})
-    return RunConfig.from_mapping(values)
+    return parse_config(values)
 
 
 def _step(msg: Message) -> Step:

@@ -24,8 +24,9 @@ import os
 import sys
 from pathlib import Path
 
-from fedpriv.config import ConfigError, RunConfig, default_mapping
+from fedpriv.config import ConfigError, default_mapping
 from fedpriv.config_files import load_run_config, parse_overrides
+from fedpriv.configure import parse_config
 from fedpriv.deploy import cli as deploy_cli
 from fedpriv.launcher import run_flower
 
@@ -51,12 +52,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             default = default_mapping()["results-path"]
             if values["results-path"] == default:  # the user named no path
                 values["results-path"] = str(unused_results_path(default))
-        config = RunConfig.from_mapping(values, strict=True)
+        config = parse_config(values, strict=True)
         # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
         out = Path(config.results_path).expanduser().resolve()
         ckpt = checkpoint.checkpoint_path(config) if config.checkpoint else None
         values.update({"results-path": str(out), "checkpoint-path": str(ckpt or "")})
-        config = RunConfig.from_mapping(values, strict=True)
+        config = parse_config(values, strict=True)
         check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
         get_algorithm(config.algorithm).check_inputs(config)  # e.g. every cell of a data file
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
@@ -220,7 +221,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.neighbours:
         return cmd_neighbours(args)
     try:
-        config = RunConfig.from_mapping(load_run_config(args.config, args.set or []),
+        config = parse_config(load_run_config(args.config, args.set or []),
                                         strict=True)
         check_plan(config)
         for bad, message in ((args.trials < 100, f"--trials: {args.trials}; at least 100"),
@@ -257,7 +258,7 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
     from fedpriv.server import check_plan
 
     try:
-        config = RunConfig.from_mapping(load_run_config(args.config, args.set or []),
+        config = parse_config(load_run_config(args.config, args.set or []),
                                         strict=True)
         if not config.has("dataset") or config.dataset not in FILE_SOURCES:
             raise ConfigError("--neighbours: builds neighbours of your data file (dataset = "

@@ -3,8 +3,9 @@
 Every command that takes a run config (``fedpriv run``, ``sweep``, ``audit``, ``deploy submit``)
 reads it through ``load_run_config``, and every place that writes a run-config value back out
 (the launcher's run-config file, ``flwr run --run-config``, the compose file) encodes it with
-``toml_value``. This module sits below all of them and imports nothing of fedpriv but
-``fedpriv.config``, so the commands and launchers can share it without importing each other.
+``toml_value``. This module sits below all of them and imports nothing of fedpriv but the
+keys (``fedpriv.config``, ``fedpriv.configure``), so the commands and launchers can share it
+without importing each other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config import PLUGIN_CONFIG, ConfigError, default_mapping, select_keys
+from fedpriv.config import PLUGIN_CONFIG, ConfigError, default_mapping
+from fedpriv.configure import select_keys
 
 
 def parse_value(text: str) -> Any:

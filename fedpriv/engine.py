@@ -10,9 +10,9 @@ import os
 import time
 from pathlib import Path
 
-from fedpriv.cohorts import auto_num_nodes, node_step
 from fedpriv.config import RunConfig
 from fedpriv.faults import corrupted, failing_partitions
+from fedpriv.nodes import auto_num_nodes, node_step
 from fedpriv.server import NodeReply, PrivateServer
 
 

@@ -13,8 +13,9 @@ import zlib
 import numpy as np
 
 from fedpriv.algorithms.base import UserContribution
+from fedpriv.config import FAULT_KINDS
 
-FAULT_KINDS = ("crash", "timeout", "corrupt")
+__all__ = ["FAULT_KINDS", "corrupted", "failing_partitions"]
 _FAULT_STREAM = 0xFA17
 
 

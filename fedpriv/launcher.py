@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpriv.cohorts import CACHE_MB_ENV, DEFAULT_CACHE_MB, auto_num_nodes
 from fedpriv.config import RunConfig
 from fedpriv.config_files import app_config_keys, for_flower, toml_value
+from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
+from fedpriv.nodes import auto_num_nodes
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 """Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from fedpriv.algorithms.deep.problem import problem_of
 from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.data.sources import load_source
 from fedpriv.data.tables import USER, table_columns, table_rows
 from fedpriv.neighbours import Neighbour
@@ -161,7 +162,7 @@ def _natural_cases(rows: Rows, user: object, cap: int, classes: int) -> dict[str
 
 def with_file(config: RunConfig, path: Path) -> RunConfig:
     """``config`` reading the data file at ``path``."""
-    return RunConfig.from_mapping({**config.to_mapping(), "data-file": str(path)})
+    return parse_config({**config.to_mapping(), "data-file": str(path)})
 
 
 def file_neighbours(config: RunConfig, folder: Path, user: object | None = None,

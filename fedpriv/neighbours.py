@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.cohorts import node_step
 from fedpriv.config import RunConfig
+from fedpriv.nodes import node_step
 from fedpriv.server import NodeReply, PrivateServer
 
 RELATIONS = ("add", "remove", "replace")

@@ -41,7 +41,8 @@ def public_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of a config whose declaration says they may be published (``Param.public``):
     not the seeds (they regenerate seeded noise and, in a synthetic problem, the users' data)
     nor the paths of the operator's machine."""
-    from fedpriv.config import CORE, algorithm_params
+    from fedpriv.config import CORE
+    from fedpriv.configure import algorithm_params
 
     declared = {p.key: p for p in CORE.params}
     declared.update(algorithm_params(config["algorithm"]))

@@ -7,6 +7,10 @@ algorithms, declares its own keys next to its code as ``ParamGroup``s and lists 
 reads these declarations: validation, ``fedpriv algorithms``, the documented key tables, checkpoint
 compatibility and the Flower app's ``[tool.flwr.app.config]``.
 
+Typed keys: a component's keys are the fields of a frozen dataclass (a ``RunConfig`` subclass in
+``fedpriv.config``), each declared by ``key(PARAM)``, so a type checker follows every key an
+algorithm reads; ``component_params`` reads the declarations back.
+
 A key shared by several components (``clip-norm``, say) is one ``Param`` object imported where it
 is used, so it has one default and one meaning; ``merge_params`` refuses two different
 declarations of the same key. This module sits at the bottom of the package: it imports nothing
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 
@@ -100,6 +104,36 @@ class Rule:
 
     def __call__(self, core: Mapping[str, Any]) -> Any:
         return self.compute(core)
+
+
+PARAM = "fedpriv-param"
+
+
+def key(param: Param) -> Any:
+    """A typed config field declared by ``param``: ``dim: int = key(DIM)``. The field's name
+    must be the key in snake_case and its annotation the key's kind (``component_params``
+    checks both)."""
+    return field(default=param.default, metadata={PARAM: param})
+
+
+def component_params(cls: type) -> tuple[Param, ...]:
+    """The keys the dataclass ``cls`` itself declares (not those of its bases), in order."""
+    own = cls.__dict__.get("__annotations__", {})
+    declared: list[Param] = []
+    by_name: dict[str, Field[Any]] = {f.name: f for f in fields(cls)}
+    for name, annotation in own.items():
+        spec = by_name.get(name)
+        if spec is None:
+            continue  # a ClassVar
+        param = spec.metadata.get(PARAM)
+        if not isinstance(param, Param):
+            raise TypeError(f"{cls.__qualname__}.{name}: declare it with key(Param(...))")
+        kind = annotation if isinstance(annotation, str) else annotation.__name__
+        if name != param.attr or kind != param.kind.__name__:
+            raise TypeError(f"{cls.__qualname__}.{name}: {param.key} is declared as "
+                            f"'{param.attr}: {param.kind.__name__}', not '{name}: {kind}'")
+        declared.append(param)
+    return tuple(declared)
 
 
 def merge_params(groups: Iterable[ParamGroup]) -> dict[str, Param]:

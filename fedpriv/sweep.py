@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config import ConfigError, RunConfig, declared_keys, default_mapping, select_keys
+from fedpriv.config import ConfigError, RunConfig, default_mapping
+from fedpriv.configure import algorithm_params, declared_keys, parse_config, select_keys
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import InfeasiblePlanError
 
@@ -245,8 +246,6 @@ def _check_base_keys(base: dict[str, Any], algorithms: list[Any],
                      overridden: set[str] | frozenset[str] = frozenset()) -> None:
     """A [base] (or ``--set``) key must be read by the algorithm of at least one series (or be
     a core key): a key nobody reads is a typo."""
-    from fedpriv.config import algorithm_params
-
     read = set(default_mapping())
     for name in algorithms:
         if isinstance(name, str):
@@ -263,7 +262,7 @@ def _check_base_keys(base: dict[str, Any], algorithms: list[Any],
 
 def _config(where: str, values: dict[str, Any]) -> RunConfig:
     try:
-        return RunConfig.from_mapping(values, strict=True)
+        return parse_config(values, strict=True)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
 
@@ -275,7 +274,7 @@ def _run_one(values: dict[str, Any], path: str) -> dict:
     from fedpriv.engine import run_in_process
     from fedpriv.outputs import write_outputs
 
-    results = run_in_process(RunConfig.from_mapping(values), log=lambda _: None)
+    results = run_in_process(parse_config(values), log=lambda _: None)
     write_outputs(results, path)
     return results
 
@@ -283,7 +282,7 @@ def _run_one(values: dict[str, Any], path: str) -> dict:
 def _run_flower(values: dict[str, Any], path: str, session: Any = None) -> dict:
     from fedpriv.launcher import run_flower
 
-    config = RunConfig.from_mapping(values)
+    config = parse_config(values)
     if run_flower(config, values, Path(path), keep_superlink=False, quiet=True,
                   session=session) != 0:
         raise RuntimeError(f"the Flower run for {path} failed")
@@ -298,7 +297,7 @@ def _reusable(path: Path, values: dict[str, Any]) -> dict | None:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    wanted = RunConfig.from_mapping(values).to_mapping()
+    wanted = parse_config(values).to_mapping()
     stored = dict(results.get("config", {}))
     wanted.pop("results-path"), stored.pop("results-path", None)
     return results if stored == wanted else None

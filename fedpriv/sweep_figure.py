@@ -10,7 +10,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.sweep import SweepSpec, metric_label
 
 
@@ -18,7 +18,7 @@ from fedpriv.sweep import SweepSpec, metric_label
 def _subtitle(spec: SweepSpec) -> str:
     if spec.subtitle:
         return spec.subtitle
-    b = RunConfig.from_mapping(spec.runs[0].values).to_mapping() if spec.runs else {}
+    b = parse_config(spec.runs[0].values).to_mapping() if spec.runs else {}
     shown = [("n", "num-users"), ("d", "dim"), ("k", "rank"), ("m", "samples-per-user")]
     parts = [f"{sym}={b[key]}" for sym, key in shown if key != spec.x and key in b]
     if "label-noise" in b:

@@ -8,7 +8,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedpriv.checkpoint import checkpoint_path
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.outputs import output_lines, write_outputs
 from fedpriv.server import summary_lines
 from strategies.private import PrivateStrategy, discover_partitions
@@ -19,7 +19,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     started, started_unix = time.perf_counter(), time.time()
-    config = RunConfig.from_mapping(context.run_config)  # fails here on a bad config
+    config = parse_config(context.run_config)  # fails here on a bad config
     print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
           f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
     # nodes register asynchronously (a simulation starts its workers first): wait at least

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 
 
 def small_config(**overrides) -> RunConfig:
@@ -14,7 +15,7 @@ def small_config(**overrides) -> RunConfig:
     values = {"num-users": 600, "dim": 10, "rank": 2, "samples-per-user": 10,
               "epsilon": 4.0, "rounds": 4, "test-samples-per-user": 5}
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
-    return RunConfig.from_mapping(values)
+    return parse_config(values)
 
 
 @pytest.fixture

@@ -10,18 +10,18 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from fedpriv import cohorts
 from fedpriv.algorithms.deep import problem as deep_problem
 from fedpriv.algorithms.exp_mech import jl_exp
 from fedpriv.algorithms.meta import meta_algorithm
 from fedpriv.config import RunConfig
+from fedpriv.data import cache as cohorts
 from fedpriv.neighbours import Neighbour
 
 Change = Callable[[np.ndarray], np.ndarray]
 
 
 def _clear() -> None:
-    cohorts.CACHE.clear()
+    cohorts.block_cache().clear()
     deep_problem._problem.cache_clear()
 
 

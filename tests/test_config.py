@@ -1,6 +1,7 @@
 import pytest
 
-from fedpriv.config import ConfigError, RunConfig
+from fedpriv.config import ConfigError
+from fedpriv.configure import parse_config
 
 
 @pytest.mark.parametrize("override,key", [
@@ -20,21 +21,21 @@ from fedpriv.config import ConfigError, RunConfig
 ])
 def test_invalid_values_fail_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=f"^{key}:"):
-        RunConfig.from_mapping(override)
+        parse_config(override)
 
 
 def test_unknown_keys_fail_in_strict_mode_only():
     with pytest.raises(ConfigError, match="unknown key.*did you mean 'epsilon' for 'epsilonn'"):
-        RunConfig.from_mapping({"epsilonn": 1.0}, strict=True)
+        parse_config({"epsilonn": 1.0}, strict=True)
     with pytest.raises(ConfigError, match="unknown key") as err:
-        RunConfig.from_mapping({"zzz-nothing-alike": 1.0}, strict=True)
+        parse_config({"zzz-nothing-alike": 1.0}, strict=True)
     assert "did you mean" not in str(err.value)
-    assert RunConfig.from_mapping({"other-component-key": 1}).epsilon == 1.0
+    assert parse_config({"other-component-key": 1}).epsilon == 1.0
 
 
 def test_defaults_round_trip():
-    config = RunConfig.from_mapping({})
-    assert RunConfig.from_mapping(config.to_mapping()) == config
+    config = parse_config({})
+    assert parse_config(config.to_mapping()) == config
 
 
 def test_the_flower_app_config_is_the_rendering_of_the_declarations():

@@ -16,7 +16,7 @@ from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
 from fedpriv.algorithms.deep.problem import problem_of, user_block
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.data.partition import PartitionError, partition
 from fedpriv.data.sources import DatasetError, load_source, read_idx
 from fedpriv.engine import run_in_process
@@ -39,7 +39,7 @@ def config(algorithm="deep-private-fedrep", **keys):
     if algorithm == "deep-local-only":
         for key in ROUND_KEYS:
             mapping.pop(key)
-    return RunConfig.from_mapping(mapping, strict=True)
+    return parse_config(mapping, strict=True)
 
 
 def run(tmp_path, algorithm="deep-private-fedrep", **keys):
@@ -324,7 +324,7 @@ def test_the_benchmark_ceiling_is_the_mean_of_the_users_gradients():
     module_spec = importlib.util.spec_from_file_location("bench_deep_vectorized", path)
     bench = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench)
-    cfg = RunConfig.from_mapping({"algorithm": "deep-dp-fedavg", "dataset": "digits",
+    cfg = parse_config({"algorithm": "deep-dp-fedavg", "dataset": "digits",
                                   "num-users": 100}, strict=True)
     problem = problem_of(cfg)
     model = torch.from_numpy(problem.spec.initial(0))

@@ -456,10 +456,10 @@ def _submit(procs: Processes, d: dep.Deployment, results: Path) -> subprocess.Co
 
 
 def _in_process(num_partitions: int) -> dict:
-    from fedpriv.config import RunConfig
+    from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
 
-    local = run_in_process(RunConfig.from_mapping(SETTINGS), num_partitions=num_partitions,
+    local = run_in_process(parse_config(SETTINGS), num_partitions=num_partitions,
                            log=lambda _: None)
     return json.loads(json.dumps(local, default=float))  # as the results file has it
 
@@ -577,7 +577,7 @@ def test_supernodes_read_only_their_own_users_rows_of_their_own_data_file(proces
     another row would isolate that user and change the result). The run equals the
     in-process run on the clean file."""
     from fedpriv.algorithms.deep.problem import hosted_positions
-    from fedpriv.config import RunConfig
+    from fedpriv.configure import parse_config
     from fedpriv.data.partition import user_keys
     from fedpriv.engine import run_in_process
     from tests.test_tables import KEYS, ROWS, USERS, write_csv
@@ -608,7 +608,7 @@ def test_supernodes_read_only_their_own_users_rows_of_their_own_data_file(proces
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + processes.tails()
     flower = json.loads(results.read_text())
     clean = {**settings, "data-file": str(write_csv(data / "clean.csv")), "checkpoint": False}
-    local = run_in_process(RunConfig.from_mapping(clean), num_partitions=nodes,
+    local = run_in_process(parse_config(clean), num_partitions=nodes,
                            log=lambda _: None)
     assert flower["num_nodes"] == nodes
     assert all(r["nodes_answered"] == nodes for r in flower["rounds"])

@@ -5,7 +5,7 @@ import pytest
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.shared_params import DIM
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 from fedpriv.params import ParamGroup
 from fedpriv.privacy.accounting import PlannedRelease
@@ -81,7 +81,7 @@ class MeanEstimation(Algorithm):
 
 def test_a_registered_plugin_runs_by_name():
     assert "test-private-mean" in available()
-    config = RunConfig.from_mapping({"algorithm": "test-private-mean", "num-users": 100,
+    config = parse_config({"algorithm": "test-private-mean", "num-users": 100,
                                      "dim": 4, "epsilon": 2.0})
     results = run_in_process(config, log=lambda _: None)
     assert results["privacy"]["epsilon"] <= 2.0

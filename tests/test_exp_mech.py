@@ -8,7 +8,8 @@ import pytest
 
 from fedpriv.algorithms.base import UserContribution
 from fedpriv.algorithms.exp_mech import exp_mech_math as em
-from fedpriv.config import ConfigError, RunConfig
+from fedpriv.config import ConfigError
+from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import (
     Accountant,
@@ -29,7 +30,7 @@ JL = {"algorithm": "jl-exp", "num-users": 1000, "dim": 6, "rank": 1, "samples-pe
 
 
 def config(base, **overrides):
-    return RunConfig.from_mapping({**base, **{k.replace("_", "-"): v
+    return parse_config({**base, **{k.replace("_", "-"): v
                                               for k, v in overrides.items()}})
 
 
@@ -233,7 +234,7 @@ def test_jl_classifier_beats_each_user_alone():
 ])
 def test_sizes_that_would_not_finish_are_refused_naming_the_parameter(base, overrides, advice):
     with pytest.raises(ConfigError, match=advice):
-        RunConfig.from_mapping({**base, **overrides})
+        parse_config({**base, **overrides})
 
 
 def test_jl_refuses_large_ranks_and_gaussian_features():

@@ -79,7 +79,7 @@ def test_one_user_per_node_is_the_faithful_deployment(tmp_path, flower_env):
 
 def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flower_env):
     """Two released parts per round and steps covering one user group each, over Flower."""
-    from fedpriv.config import RunConfig
+    from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="priv-altmin", num_users=900, dim=8, epsilon=4.0, rounds=2,
@@ -91,7 +91,7 @@ def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flowe
     assert sum(r["users_contributing"] for r in rounds) == 900  # each user in one round
     ledger = results["privacy"]["ledger"]
     assert [p["name"] for p in ledger[1]["parts"]] == ["cov", "corr"]
-    local = run_in_process(RunConfig.from_mapping(
+    local = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
         log=lambda _: None)
     assert results["metrics"]["population_mse"] == pytest.approx(
@@ -101,7 +101,7 @@ def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flowe
 
 def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env):
     """Poisson-sampled tasks chosen on the nodes from the public seed, (q, d) releases."""
-    from fedpriv.config import RunConfig
+    from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="private-meta-cluster", meta_models=2, task_clusters=2,
@@ -113,7 +113,7 @@ def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env
     ledger = results["privacy"]["ledger"]
     assert [e["mechanism"] for e in ledger] == ["poisson-sampled gaussian"] * 4
     assert "transfer risk" in proc.stdout
-    local = run_in_process(RunConfig.from_mapping(
+    local = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
         log=lambda _: None)
     assert [r["users_contributing"] for r in results["rounds"]] == [
@@ -127,7 +127,7 @@ def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env
 def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flower_env):
     """The exponential mechanism over Flower: each SuperNode scores every candidate for its
     users, the strategy samples; identical to the in-process run, pure epsilon in the ledger."""
-    from fedpriv.config import RunConfig
+    from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="a-exp", num_users=600, dim=8, rank=1, samples_per_user=6,
@@ -137,7 +137,7 @@ def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flowe
     (entry,) = results["privacy"]["ledger"]
     assert entry["mechanism"] == "exponential" and results["privacy"]["delta"] == 0.0
     assert "pure epsilon-DP" in proc.stdout
-    local = run_in_process(RunConfig.from_mapping(
+    local = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
         log=lambda _: None)
     assert entry["chosen"] == local["privacy"]["ledger"][0]["chosen"]
@@ -150,7 +150,7 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_e
     engine give the same metrics, release and epsilon for the same seed (with the heads
     cross-fitted: the key reaches the nodes through Flower's run config), and the same
     learning curve (eval steps before round 1 and after it)."""
-    from fedpriv.config import RunConfig
+    from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="deep-private-fedrep", num_users=60, hidden_sizes="32",
@@ -158,7 +158,7 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_e
                     cross_fit=2, eval_every=1)
     results, _ = run_cli(flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
-    local = run_in_process(RunConfig.from_mapping(
+    local = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
         log=lambda _: None)
     assert results["metrics"]["accuracy"] == pytest.approx(local["metrics"]["accuracy"],

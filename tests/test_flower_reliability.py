@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedpriv import checkpoint
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 from tests.test_flower_integration import run_cli
 
@@ -126,7 +126,7 @@ def test_killing_the_server_mid_run_and_resuming_counts_every_release_once(tmp_p
     assert results["runtime"] == "flower" and results["resumed_from_step"] == 3
     assert not ckpt.exists()  # the results are the record now
 
-    whole = run_in_process(RunConfig.from_mapping(
+    whole = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
         log=lambda _: None)
     assert results["privacy"]["ledger"] == whole["privacy"]["ledger"]
@@ -165,7 +165,7 @@ def test_nodes_that_time_out_each_round_do_not_stop_the_run(tmp_path, flower_env
         assert report["nodes_answered"] == 2 and report["rejected"] == {"timeout": 1}
     assert results["rejections"] == {"timeout": len(results["rounds"])}
     assert "rejected=timeout:1" in proc.stdout
-    clean = run_in_process(RunConfig.from_mapping(
+    clean = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in SETTINGS.items() if k != "rounds"} | {"rounds": 2}),
         num_partitions=3, log=lambda _: None)
     assert results["privacy"]["epsilon"] == clean["privacy"]["epsilon"]

@@ -20,6 +20,7 @@ from fedpriv.algorithms.deep.problem import (
     user_block,
 )
 from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.data.partition import Rows, user_keys
 from fedpriv.privacy.mechanisms import (
     clip_by_norm,
@@ -66,7 +67,7 @@ def test_exponential_mechanism_scores_of_a_broken_user_are_zero():
 
 # ----- the deep paths --------------------------------------------------------------------------
 def deep_config(**keys) -> RunConfig:
-    return RunConfig.from_mapping({"algorithm": "deep-dp-fedavg", "dataset": "digits",
+    return parse_config({"algorithm": "deep-dp-fedavg", "dataset": "digits",
                                    "num-users": 60, "hidden-sizes": "16", **keys})
 
 
@@ -159,7 +160,7 @@ def test_the_rescale_ignores_errors_and_bad_sums_and_counts_lost_nodes():
     """A node that answers with an error or a non-finite sum (which a bug meeting one user's
     data could cause) counts as present with zero: the release is not scaled up. A node that
     timed out or was lost by the transport is missing and rescaled for."""
-    config = RunConfig.from_mapping({"algorithm": "private-fedrep", "num-users": 400,
+    config = parse_config({"algorithm": "private-fedrep", "num-users": 400,
                                      "dim": 10, "epsilon": 4.0, "rounds": 2})
 
     def scale_for(failure: NodeReply) -> float | None:
@@ -189,7 +190,7 @@ def test_the_server_of_a_data_file_run_reads_no_row(tmp_path, monkeypatch):
     path = tmp_path / "d.csv"
     path.write_text("user,split,label,a,b,c\n" + "".join(
         f"{u},{s},{u % 3},{u},{u / 2},1\n" for u in range(40) for s in ("train", "test")))
-    config = RunConfig.from_mapping({"algorithm": "deep-private-fedrep", "dataset": "csv",
+    config = parse_config({"algorithm": "deep-private-fedrep", "dataset": "csv",
                                      "data-file": str(path), "partition": "natural",
                                      "num-classes": 3, "num-users": 40, "hidden-sizes": "8"})
 
@@ -219,7 +220,7 @@ def test_a_natural_run_divides_by_the_public_population_and_hosts_every_user(tmp
         for s in ("train",) * 6 + ("test",) * 2:
             lines.append(f"id{u},{s},{rng.integers(2)},{rng.normal():.4f},{rng.normal():.4f}")
     path.write_text("\n".join(lines) + "\n")
-    config = RunConfig.from_mapping({"algorithm": "deep-private-fedrep", "dataset": "csv",
+    config = parse_config({"algorithm": "deep-private-fedrep", "dataset": "csv",
                                      "data-file": str(path), "partition": "natural",
                                      "num-classes": 2, "num-users": 30, "hidden-sizes": "4",
                                      "rounds": 1, "epsilon": 2.0, "delta": 1e-5,
@@ -227,7 +228,7 @@ def test_a_natural_run_divides_by_the_public_population_and_hosts_every_user(tmp
     cls = PrivateServer(config, 1, log=lambda _: None).algorithm.__class__
     (note,) = cls.input_notes(config)  # fedpriv run prints it: 25 users, n = 30
     assert "(25 users); the releases divide by num-users = 30" in note
-    assert cls.input_notes(RunConfig.from_mapping({**config.to_mapping(), "num-users": 25}))\
+    assert cls.input_notes(parse_config({**config.to_mapping(), "num-users": 25}))\
         == []
     results = run_in_process(config, num_partitions=3, log=lambda _: None)
     (entry,) = results["privacy"]["ledger"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 from fedpriv.learning_curve import curve_path, curve_points
 from fedpriv.outputs import output_lines, write_outputs
@@ -19,7 +19,7 @@ METRICS = ("accuracy", "accuracy_p10", "test_loss", "users_evaluated")
 
 def run(algorithm, **keys):
     mapping = {"algorithm": algorithm, **SMALL, **{k.replace("_", "-"): v for k, v in keys.items()}}
-    return run_in_process(RunConfig.from_mapping(mapping, strict=True), num_partitions=2,
+    return run_in_process(parse_config(mapping, strict=True), num_partitions=2,
                           log=lambda _: None)
 
 
@@ -104,10 +104,10 @@ def test_a_poisson_runs_curve_shows_only_the_epsilons_the_accountant_gave(tmp_pa
 
 def test_bad_eval_every_fails_before_the_run_naming_the_key():
     with pytest.raises(ConfigError, match="eval-every"):
-        RunConfig.from_mapping({"algorithm": "deep-private-fedrep", **SMALL, "eval-every": -1},
+        parse_config({"algorithm": "deep-private-fedrep", **SMALL, "eval-every": -1},
                                strict=True)
     with pytest.raises(ConfigError, match="eval-every"):  # nothing shared, no rounds to score
-        RunConfig.from_mapping({"algorithm": "deep-local-only", **SMALL, "eval-every": 2},
+        parse_config({"algorithm": "deep-local-only", **SMALL, "eval-every": 2},
                                strict=True)
 
 

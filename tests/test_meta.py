@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
 
-from fedpriv.algorithms.base import UserContribution
+from fedpriv.algorithms.base import UserContribution, partition_users
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.cohorts import partition_users
-from fedpriv.config import ConfigError, RunConfig, select_keys
+from fedpriv.config import ConfigError, RunConfig
+from fedpriv.configure import parse_config, select_keys
 from fedpriv.data.meta import MetaProblem, cluster_centers, generate_tasks
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import InfeasiblePlanError, mean_sensitivity
@@ -31,7 +31,7 @@ def meta_config(**overrides) -> RunConfig:
     shared = {**PAPER, "algorithm": given.get("algorithm", "meta-nsgd"), "num-users": 400,
               "rounds": 10, "epsilon": 2.0}
     # PAPER is shared by every algorithm (each takes the keys it reads); overrides stay checked
-    return RunConfig.from_mapping({**select_keys(shared), **given})
+    return parse_config({**select_keys(shared), **given})
 
 
 def quiet_run(config, parts=None):
@@ -122,7 +122,7 @@ def test_tasks_pick_their_own_cluster_center_when_clusters_are_well_separated():
 
 
 def test_clustering_without_noise_recovers_the_clusters():
-    results = quiet_run(RunConfig.from_mapping({**CLUSTERS, "algorithm": "meta-cluster",
+    results = quiet_run(parse_config({**CLUSTERS, "algorithm": "meta-cluster",
                                                 "meta-models": 3, "num-users": 900,
                                                 "rounds": 30}))
     m = results["metrics"]
@@ -285,7 +285,7 @@ def test_tasks_are_poisson_sampled_and_the_server_checks_the_counts():
 
 # ----- what the issue judges ----------------------------------------------------------------
 def test_meta_nsgd_at_epsilon_1_is_far_below_local_training_with_a_few_thousand_tasks():
-    results = quiet_run(RunConfig.from_mapping({**PAPER, "algorithm": "meta-nsgd",
+    results = quiet_run(parse_config({**PAPER, "algorithm": "meta-nsgd",
                                                 "num-users": 3000, "rounds": 50,
                                                 "epsilon": 1.0}))
     m = results["metrics"]
@@ -298,7 +298,7 @@ def test_meta_nsgd_at_epsilon_1_is_far_below_local_training_with_a_few_thousand_
 def test_three_meta_models_beat_one_on_three_clusters():
     risks = {}
     for q in (1, 3):
-        results = quiet_run(RunConfig.from_mapping({**CLUSTERS, "algorithm":
+        results = quiet_run(parse_config({**CLUSTERS, "algorithm":
                                                     "private-meta-cluster", "meta-models": q,
                                                     "num-users": 800, "rounds": 30,
                                                     "epsilon": 10.0}))
@@ -339,7 +339,7 @@ def test_bad_meta_configs_name_the_key(overrides, key):
 
     values = {**PAPER, "algorithm": "meta-nsgd", "num-users": 400, **overrides}
     with pytest.raises(ConfigError, match=key):
-        config = RunConfig.from_mapping(values)
+        config = parse_config(values)
         get_algorithm(config.algorithm).validate(config)
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.data.partition import partition
 from fedpriv.data.sources import load_source
 from fedpriv.neighbour_data import Rows, file_neighbours, read_rows, with_file, write_rows
@@ -56,7 +57,7 @@ def natural_rows() -> Rows:
 
 
 def file_config(path: Path, fmt: str, **keys) -> RunConfig:
-    return RunConfig.from_mapping({**FILE_KEYS, "dataset": fmt, "data-file": str(path),
+    return parse_config({**FILE_KEYS, "dataset": fmt, "data-file": str(path),
                                    **{k.replace("_", "-"): v for k, v in keys.items()}})
 
 
@@ -237,7 +238,7 @@ def test_the_harness_covers_every_registered_private_algorithm_that_releases():
     for name in available():
         cls = get_algorithm(name)
         if cls.private and name not in covered and cls.__module__.startswith("fedpriv."):
-            config = RunConfig.from_mapping({"algorithm": name, "num-users": 100})
+            config = parse_config({"algorithm": name, "num-users": 100})
             assert cls(config).privacy_plan() == [], f"{name} releases: add it to the harness"
 
 
@@ -273,7 +274,7 @@ def test_every_synthetic_algorithm_holds_its_bound_whatever_one_users_data(algor
 def test_deep_algorithms_on_digits_hold_their_bound(algorithm, change):
     """A built-in dataset: one partition user's pixel values replaced (the labels stay: the
     label-skew partition is a function of every row's label and is public)."""
-    config = RunConfig.from_mapping({**PRIVATE["deep-private-fedrep"], "algorithm": algorithm,
+    config = parse_config({**PRIVATE["deep-private-fedrep"], "algorithm": algorithm,
                                      "clip-quantile": 0.0})
     fn, name = change
     checks = check_neighbour(config, neighbour(name, config, builtin_rows(config, 11, fn)),
@@ -335,7 +336,7 @@ def test_an_npz_without_a_user_column_and_a_custom_model_hold_the_bound(tmp_path
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(),
                     reason="Debian's dataset-fashion-mnist is not installed")
 def test_fashion_mnist_holds_the_bound():
-    config = RunConfig.from_mapping({"algorithm": "deep-private-fedrep",
+    config = parse_config({"algorithm": "deep-private-fedrep",
                                      "dataset": "fashion-mnist", "num-users": 200,
                                      "hidden-sizes": "32", "rounds": 1, "epsilon": 1.0,
                                      "delta": 1e-5, "head-steps": 10})

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from fedpriv.algorithms.catalogue import BUILTIN
-from fedpriv.config import ConfigError, RunConfig, select_keys
+from fedpriv.config import ConfigError
+from fedpriv.configure import parse_config, select_keys
 from fedpriv.engine import run_in_process
 from fedpriv.outputs import public_config, publishable, release_document, write_outputs
 from tests.test_accounting import analytic_gaussian_epsilon
@@ -25,7 +26,7 @@ def tiny_config(name, **extra):
     if name.startswith("deep"):  # real data: digits holds 1,437 training images
         family.update({"num-users": 60, "hidden-sizes": "16"})
     values = select_keys({**TINY, **family, "algorithm": name})
-    return RunConfig.from_mapping({**values, **{k.replace("_", "-"): v
+    return parse_config({**values, **{k.replace("_", "-"): v
                                                 for k, v in extra.items()}}, strict=True)
 
 
@@ -132,17 +133,17 @@ def test_a_seeded_release_is_not_publishable_and_a_secure_noise_release_is(tmp_p
     assert publishable(secure) == (True, "")
     nothing = run_in_process(tiny_config("local-only"), log=lambda _: None)
     assert publishable(nothing)[0]  # nothing released from user data
-    baseline = run_in_process(RunConfig.from_mapping({**select_keys(TINY | {
+    baseline = run_in_process(parse_config({**select_keys(TINY | {
         "algorithm": "fedrep"})}), log=lambda _: None)
     assert publishable(baseline) == (False, publishable(baseline)[1])
     assert "without noise" in publishable(baseline)[1]
 
 
 def test_private_metrics_are_one_more_accounted_release_within_their_stated_noise():
-    config = RunConfig.from_mapping({"num-users": 20000, "dim": 10, "rounds": 3,
+    config = parse_config({"num-users": 20000, "dim": 10, "rounds": 3,
                                      "private-metrics": True, "metric-clip": 0.05,
                                      "metrics-budget-fraction": 0.2})
-    plain = run_in_process(RunConfig.from_mapping({**config.to_mapping(),
+    plain = run_in_process(parse_config({**config.to_mapping(),
                                                    "private-metrics": False}),
                            log=lambda _: None)
     report = run_in_process(config, log=lambda _: None)
@@ -214,7 +215,7 @@ def test_a_sampled_plan_gives_the_evaluation_its_share_in_gdp_units_not_most_of_
 
 
 def test_the_private_metric_survives_failing_nodes_and_states_the_rescaled_noise():
-    config = RunConfig.from_mapping({"num-users": 20000, "dim": 10, "rounds": 2,
+    config = parse_config({"num-users": 20000, "dim": 10, "rounds": 2,
                                      "private-metrics": True, "metric-clip": 0.05,
                                      "node-fault-rate": 0.3, "users-per-node": 2000})
     report = run_in_process(config, log=lambda _: None)

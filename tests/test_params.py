@@ -7,8 +7,9 @@ import pytest
 
 from fedpriv.algorithms.catalogue import BUILTIN
 from fedpriv.cli import main
-from fedpriv.config import CORE, ConfigError, RunConfig, resumable_keys, select_keys
+from fedpriv.config import CORE, ConfigError, resumable_keys
 from fedpriv.config_files import toml_value
+from fedpriv.configure import config_defaults, parse_config, select_keys
 from fedpriv.keys import README_BEGIN, README_END, markdown_tables
 from fedpriv.params import Param, ParamGroup, merge_params
 
@@ -32,11 +33,11 @@ def test_two_different_declarations_of_one_key_are_refused():
 
 
 def test_a_config_holds_exactly_the_core_keys_and_the_algorithms_own():
-    config = RunConfig.from_mapping({"algorithm": "priv-altmin", "user-groups": 5})
+    config = parse_config({"algorithm": "priv-altmin", "user-groups": 5})
     assert config.user_groups == 5 and config.has("feature-clip")
     assert set(config.to_mapping()) == {p.key for p in CORE.params} - {"plugin-config"} | set(
         type_of("priv-altmin").declared_params())
-    with pytest.raises(AttributeError, match="'batch-size' is not a key of algorithm"):
+    with pytest.raises(AttributeError, match="has no attribute 'batch_size'"):
         _ = config.batch_size
 
 
@@ -49,29 +50,29 @@ def type_of(name):
 def test_strict_parsing_refuses_another_algorithms_key_naming_the_algorithm_and_its_keys():
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['batch-size'\] for algorithm "
                                           r"'priv-altmin'; its keys: dim, rank"):
-        RunConfig.from_mapping({"algorithm": "priv-altmin", "batch-size": "max"}, strict=True)
+        parse_config({"algorithm": "priv-altmin", "batch-size": "max"}, strict=True)
 
 
 def test_a_flower_run_config_may_carry_other_keys_at_their_defaults_but_not_set_ones():
     every = {"algorithm": "meta-nsgd", "batch-size": "max", "candidates": 2000,
              "some-other-component": 3}
-    assert RunConfig.from_mapping(every).algorithm == "meta-nsgd"  # defaults: ignored
+    assert parse_config(every).algorithm == "meta-nsgd"  # defaults: ignored
     with pytest.raises(ConfigError, match="candidates: not a key of algorithm 'meta-nsgd', so "
                                           "the value 10 would do nothing"):
-        RunConfig.from_mapping({**every, "candidates": 10})
+        parse_config({**every, "candidates": 10})
 
 
 def test_plugin_config_carries_keys_as_a_toml_table_and_is_checked_strictly():
-    config = RunConfig.from_mapping({"algorithm": "priv-altmin",
+    config = parse_config({"algorithm": "priv-altmin",
                                      "plugin-config": "{ feature-clip = 3.5 }"})
     assert config.feature_clip == 3.5
     with pytest.raises(ConfigError, match=r"plugin-config: unknown key\(s\) \['clip-norm'\]"):
-        RunConfig.from_mapping({"algorithm": "priv-altmin",
+        parse_config({"algorithm": "priv-altmin",
                                 "plugin-config": "{ clip-norm = 1.0 }"})
     with pytest.raises(ConfigError, match="not a TOML inline table"):
-        RunConfig.from_mapping({"plugin-config": "feature-clip = 3"})
+        parse_config({"plugin-config": "feature-clip = 3"})
     with pytest.raises(ConfigError, match="also given directly"):
-        RunConfig.from_mapping({"algorithm": "priv-altmin", "feature-clip": 2.0,
+        parse_config({"algorithm": "priv-altmin", "feature-clip": 2.0,
                                 "plugin-config": "{ feature-clip = 3.5 }"})
 
 
@@ -135,19 +136,19 @@ def test_every_builtin_runs_end_to_end_on_the_keys_it_declares(name, extra):
     if name.startswith(("meta", "private-meta", "dp-ftmrl", "ftmrl")) or name.startswith("jl"):
         family["feature-dist"] = "unit-ball"
     values = {**select_keys({**TINY, **family, "algorithm": name}), **extra}
-    results = run_in_process(RunConfig.from_mapping(values, strict=True), log=lambda _: None)
-    assert results["config"] == RunConfig.from_mapping(values).to_mapping()
+    results = run_in_process(parse_config(values, strict=True), log=lambda _: None)
+    assert results["config"] == parse_config(values).to_mapping()
     assert results["metrics"] and all(v == v for v in results["metrics"].values())  # no NaN
 
 
 def test_plugin_config_and_direct_keys_give_the_same_config_on_every_engine():
-    direct = RunConfig.from_mapping({"algorithm": "priv-altmin", "feature-clip": 3.5})
-    carried = RunConfig.from_mapping({"algorithm": "priv-altmin",
+    direct = parse_config({"algorithm": "priv-altmin", "feature-clip": 3.5})
+    carried = parse_config({"algorithm": "priv-altmin",
                                       "plugin-config": "{ feature-clip = 3.5 }"})
     assert carried.to_mapping() == direct.to_mapping()
     assert "plugin-config" not in direct.to_mapping()
     with pytest.raises(ConfigError, match=r"plugin-config: unknown key\(s\) \['epsilon'\]"):
-        RunConfig.from_mapping({"plugin-config": "{ epsilon = 100.0 }"})
+        parse_config({"plugin-config": "{ epsilon = 100.0 }"})
 
 
 def test_plug_in_keys_reach_flower_in_plugin_config_that_flower_parses():
@@ -173,24 +174,24 @@ def test_switching_a_files_algorithm_keeps_the_keys_the_new_one_reads(capsys):
                              ["algorithm=priv-altmin", "init=pairs"])
     assert "batch-size" not in values and values["num-users"] == 20000
     assert "priv-altmin does not read ['batch-size'" in capsys.readouterr().err
-    RunConfig.from_mapping(values, strict=True)
+    parse_config(values, strict=True)
     with pytest.raises(ConfigError, match="batch-size"):  # what --set names stays strict
-        RunConfig.from_mapping(load_run_config(None, ["algorithm=priv-altmin",
+        parse_config(load_run_config(None, ["algorithm=priv-altmin",
                                                       "batch-size=2"]), strict=True)
 
 
 def test_a_checkpoint_from_before_algorithm_owned_keys_still_matches():
     from fedpriv.server.store import changed_keys
 
-    wanted = RunConfig.from_mapping({"algorithm": "priv-altmin"}).to_mapping()
+    wanted = parse_config({"algorithm": "priv-altmin"}).to_mapping()
     old = {**wanted, "batch-size": "max", "candidates": 2000, "meta-lambda": 0.05,
            "plugin-config": ""}  # the old format held every family's keys
     assert changed_keys(old, wanted) == []
     assert changed_keys({**old, "feature-clip": 3.0}, wanted) == ["feature-clip"]
-    config = RunConfig.from_mapping({"algorithm": "priv-altmin"})
+    config = parse_config({"algorithm": "priv-altmin"})
     before = {k: v for k, v in wanted.items() if k != "private-metrics"}  # a key added later
-    assert changed_keys(before, wanted, config.defaults()) == []
-    assert changed_keys(before, {**wanted, "private-metrics": True}, config.defaults()) == [
+    assert changed_keys(before, wanted, config_defaults(config)) == []
+    assert changed_keys(before, {**wanted, "private-metrics": True}, config_defaults(config)) == [
         "private-metrics"]
 
 
@@ -229,9 +230,9 @@ def test_a_broken_or_conflicting_plugin_is_reported_and_does_not_stop_other_runs
     assert sorted(str(w.message).split("'")[1] for w in caught) == ["broken", "conflicting"]
     assert "broken" not in names and "conflicting" not in names
     assert "declares clip-norm differently" in registry._FAILED["conflicting"]
-    assert RunConfig.from_mapping({"algorithm": "a-exp"}, strict=True).algorithm == "a-exp"
+    assert parse_config({"algorithm": "a-exp"}, strict=True).algorithm == "a-exp"
     with pytest.raises(ConfigError, match="missing_dependency"):
-        RunConfig.from_mapping({"algorithm": "broken"})
+        parse_config({"algorithm": "broken"})
 
 
 # ----- per-algorithm defaults ------------------------------------------------------------------
@@ -242,28 +243,28 @@ def test_per_algorithm_keys_resolve_to_each_algorithms_own_default():
     """A key whose good value depends on the algorithm (``rounds``, say) holds a placeholder;
     the run config holds the algorithm's own value, the same whether the key is absent or
     given as the placeholder (as Flower's app config gives every key)."""
-    deep = RunConfig.from_mapping({"algorithm": "deep-dp-fedavg-ft", "num-users": 200})
+    deep = parse_config({"algorithm": "deep-dp-fedavg-ft", "num-users": 200})
     assert (deep.rounds, deep.learning_rate, deep.clip_quantile) == (10, 0.25, 0.5)
-    flwr_like = RunConfig.from_mapping({"algorithm": "deep-private-fedrep", "num-users": 200,
+    flwr_like = parse_config({"algorithm": "deep-private-fedrep", "num-users": 200,
                                         "rounds": 0, "learning-rate": 0.0,
                                         "clip-quantile": -1.0})
     assert (flwr_like.rounds, flwr_like.learning_rate, flwr_like.clip_quantile) == (
         10, 0.25, 0.5)
-    fedrep = RunConfig.from_mapping({"algorithm": "deep-fedrep", "num-users": 200})
+    fedrep = parse_config({"algorithm": "deep-fedrep", "num-users": 200})
     assert (fedrep.rounds, fedrep.learning_rate, fedrep.clip_quantile) == (40, 2.0, 0.0)
-    linear = RunConfig.from_mapping({"algorithm": "private-fedrep"})  # the fallbacks
+    linear = parse_config({"algorithm": "private-fedrep"})  # the fallbacks
     assert (linear.rounds, linear.learning_rate) == (5, 1.0)
-    given = RunConfig.from_mapping({"algorithm": "deep-dp-fedavg-ft", "num-users": 200,
+    given = parse_config({"algorithm": "deep-dp-fedavg-ft", "num-users": 200,
                                     "rounds": 7, "learning-rate": 0.5, "clip-quantile": 0.0})
     assert (given.rounds, given.learning_rate, given.clip_quantile) == (7, 0.5, 0.0)
-    assert deep.defaults()["rounds"] == 10 and linear.defaults()["rounds"] == 5
+    assert config_defaults(deep)["rounds"] == 10 and config_defaults(linear)["rounds"] == 5
     # the private deep rounds follow epsilon x the population / 50, within 10..40
     for users, epsilon, rounds in ((200, 1, 10), (1000, 1, 20), (2000, 1, 40), (6000, 1, 40),
                                    (2000, 0.5, 20), (2000, 8, 40), (1000, 0.1, 10)):
-        assert RunConfig.from_mapping({"algorithm": "deep-private-fedrep", "num-users": users,
+        assert parse_config({"algorithm": "deep-private-fedrep", "num-users": users,
                                        "epsilon": epsilon, "dataset": "fashion-mnist"}
                                       ).rounds == rounds
-    assert RunConfig.from_mapping({"algorithm": "deep-fedrep", "num-users": 200}).rounds == 40
+    assert parse_config({"algorithm": "deep-fedrep", "num-users": 200}).rounds == 40
     assert deep.to_mapping()["rounds"] == 10  # the results file holds what ran
 
 

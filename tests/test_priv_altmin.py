@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from fedpriv.algorithms.base import UserContribution
+from fedpriv.algorithms.base import UserContribution, partition_users
 from fedpriv.algorithms.personalization import altmin_math as altmin
 from fedpriv.algorithms.personalization import init_math as private_init
 from fedpriv.algorithms.personalization.linear_math import (
@@ -15,7 +15,6 @@ from fedpriv.algorithms.personalization.linear_math import (
     subspace_distance,
 )
 from fedpriv.algorithms.personalization.priv_altmin import PrivAltMin
-from fedpriv.cohorts import partition_users
 from fedpriv.data.synthetic import SyntheticProblem, generate_users, ground_truth_embedding
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import mean_sensitivity

@@ -16,6 +16,7 @@ from fedpriv import protocol as P
 from fedpriv.checkpoint import CheckpointError
 from fedpriv.cli import main as cli_main
 from fedpriv.config import ConfigError, RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 from fedpriv.faults import failing_partitions
 from fedpriv.server import BudgetExceededError, NodeReply, PrivateServer, check_run
@@ -47,7 +48,7 @@ def make_config(algorithm: str, **overrides) -> RunConfig:
     if not algorithm.startswith("deep-"):
         values["test-samples-per-user"] = 5
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
-    return RunConfig.from_mapping(values)
+    return parse_config(values)
 
 
 def quiet(config: RunConfig, parts: int = 10, **kwargs) -> dict:
@@ -397,7 +398,7 @@ def test_a_plan_is_checked_against_the_ceiling_by_the_accountant():
 
 
 def test_a_non_private_baseline_cannot_run_under_a_ceiling():
-    config = RunConfig.from_mapping({"algorithm": "fedrep", "num-users": 300, "dim": 8,
+    config = parse_config({"algorithm": "fedrep", "num-users": 300, "dim": 8,
                                      "max-epsilon": 10.0})
     with pytest.raises(BudgetExceededError, match="without noise"):
         check_run(config)
@@ -431,7 +432,7 @@ def test_a_release_off_the_verified_plan_is_stopped_before_it_is_drawn(tmp_path,
 
 
 def _honest(server, step, parts):
-    from fedpriv.cohorts import partition_users
+    from fedpriv.algorithms.base import partition_users
 
     cls = type(server.algorithm)
     arrays = server.payload(step)
@@ -534,7 +535,7 @@ def test_the_cli_refuses_to_silently_restart_an_interrupted_run(tmp_path, capsys
     out = tmp_path / "r.json"
     args = ["run", "--engine", "inprocess", "--out", str(out), "--set", "num-users=300",
             "--set", "dim=8"]
-    _interrupted(RunConfig.from_mapping({"num-users": 300, "dim": 8,
+    _interrupted(parse_config({"num-users": 300, "dim": 8,
                                          "results-path": str(out)}),
                  tmp_path / "r.checkpoint", stop_after=2, parts=3)
     assert cli_main(args) == 2
@@ -605,7 +606,7 @@ def test_a_run_that_no_node_answered_exits_non_zero_naming_why(tmp_path, capsys,
     from fedpriv import engine
     from fedpriv.server import silent_run
 
-    config = RunConfig.from_mapping({"num-users": 300, "dim": 8, "checkpoint": False,
+    config = parse_config({"num-users": 300, "dim": 8, "checkpoint": False,
                                      "results-path": str(tmp_path / "real.json")})
     results = run_in_process(config, log=lambda _: None)
     assert silent_run(results) is None

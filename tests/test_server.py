@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from fedpriv.algorithms.base import UserContribution
+from fedpriv.algorithms.base import UserContribution, partition_users
 from fedpriv.algorithms.personalization.private_fedrep import PrivateFedRep
-from fedpriv.cohorts import partition_users
 from fedpriv.privacy.accounting import mean_sensitivity
 from fedpriv.server import NodeReply, PrivateServer
 from tests.conftest import small_config

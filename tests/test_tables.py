@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedpriv.algorithms.deep.problem import hosted_positions, model_of, problem_of, user_block
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.data import tables
 from fedpriv.data.partition import partition
 from fedpriv.data.sources import DatasetError, load_source, table_source
@@ -77,7 +77,7 @@ def write_npz(path, rows=ROWS):
 def cfg(dataset, path, strict=None, **keys):
     """A user's run config (strict: the CLI's), or with ``data_part`` a node's (not strict, as
     the ClientApp parses it: a run config may not set data-part)."""
-    return RunConfig.from_mapping({**KEYS, "dataset": dataset, "data-file": str(path),
+    return parse_config({**KEYS, "dataset": dataset, "data-file": str(path),
                                    **{k.replace("_", "-"): v for k, v in keys.items()}},
                                   strict="data_part" not in keys if strict is None else strict)
 
@@ -198,7 +198,7 @@ def test_a_malformed_table_fails_before_the_run_naming_the_problem(tmp_path, hea
 
 def test_missing_files_and_keys_fail_before_the_run(tmp_path):
     with pytest.raises(ConfigError, match="data-file: dataset = \"parquet\" needs data-file"):
-        RunConfig.from_mapping({**KEYS, "dataset": "parquet"})
+        parse_config({**KEYS, "dataset": "parquet"})
     with pytest.raises(ConfigError, match="is not a file"):
         get_validated(cfg("csv", tmp_path / "nowhere.csv"))
     with pytest.raises(ConfigError, match="data-part"):
@@ -368,7 +368,7 @@ def test_natural_users_are_every_user_of_the_file_in_id_order(tmp_path):
 def test_a_data_file_with_a_dataset_that_does_not_read_one_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="data-file: read only with dataset = npz, csv or "
                                           "parquet; dataset = 'digits' would ignore"):
-        RunConfig.from_mapping({**KEYS, "partition": "label-skew", "num-users": 50,
+        parse_config({**KEYS, "partition": "label-skew", "num-users": 50,
                                 "dataset": "digits", "data-file": str(tmp_path / "x.csv")})
 
 
@@ -399,7 +399,7 @@ def test_a_node_config_data_file_is_used_only_by_a_run_that_reads_a_file(tmp_pat
     path = write_csv(tmp_path / "d.csv")
 
     def node(dataset, **extra):
-        run = RunConfig.from_mapping({**KEYS, "dataset": dataset, **extra}).to_mapping()
+        run = parse_config({**KEYS, "dataset": dataset, **extra}).to_mapping()
         context = Context(run_id=1, node_id=7, state=RecordDict(), run_config=run,
                           node_config={P.KEY_PARTITION: 1, P.KEY_NUM_PARTITIONS: 2,
                                        P.KEY_DATA_FILE: str(path)})

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event, pld, rdp
 
-from fedpriv.config import ConfigError, RunConfig
+from fedpriv.config import ConfigError
+from fedpriv.configure import parse_config
 from fedpriv.data.synthetic import SyntheticProblem, generate_users
 from fedpriv.engine import run_in_process
 from fedpriv.privacy.accounting import InfeasiblePlanError, composed_event
@@ -289,8 +290,8 @@ def test_validation_points_are_a_stream_of_their_own():
 def test_the_validation_release_is_a_planned_noisy_release(tmp_path):
     values = {"num-users": 400, "dim": 8, "rank": 2, "epsilon": 2.0, "rounds": 2,
               "private-metrics": True, "metric-clip": 0.5}
-    test = run_in_process(RunConfig.from_mapping(values, strict=True), log=lambda _: None)
-    val = run_in_process(RunConfig.from_mapping({**values, "metrics-split": "validation"},
+    test = run_in_process(parse_config(values, strict=True), log=lambda _: None)
+    val = run_in_process(parse_config({**values, "metrics-split": "validation"},
                                                 strict=True), log=lambda _: None)
     assert set(val["private_metrics"]) == {"validation_mse"}
     assert set(test["private_metrics"]) == {"test_mse"}
@@ -305,9 +306,9 @@ def test_the_validation_release_is_a_planned_noisy_release(tmp_path):
 
 def test_metrics_split_needs_private_metrics_and_validation_data():
     with pytest.raises(ConfigError, match="needs private-metrics"):
-        RunConfig.from_mapping({"metrics-split": "validation"}, strict=True)
+        parse_config({"metrics-split": "validation"}, strict=True)
     with pytest.raises(ConfigError, match="no held-back validation"):
-        RunConfig.from_mapping({"algorithm": "meta-nsgd", "feature-dist": "unit-ball",
+        parse_config({"algorithm": "meta-nsgd", "feature-dist": "unit-ball",
                                 "private-metrics": True, "metrics-split": "validation"},
                                strict=True)
 
@@ -481,8 +482,8 @@ def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
 
     keys = {"algorithm": "deep-private-fedrep", "num-users": 100, "rounds": 2,
             "checkpoint": False, "private-metrics": True, "validation-samples-per-user": 3}
-    val = RunConfig.from_mapping({**keys, "metrics-split": "validation"})
-    test = RunConfig.from_mapping(keys)
+    val = parse_config({**keys, "metrics-split": "validation"})
+    test = parse_config(keys)
     full, held = problem_of(test), problem_of(val)
     assert held.validation is not None and full.validation is None
     assert np.array_equal(held.users.train.counts, full.users.train.counts - 3)
@@ -514,7 +515,7 @@ def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
     # a user with fewer rows than the hold-back plus two batches' worth is not refused: it
     # holds back fewer (its own computation), the others are as they were
     smallest = int(full.users.train.counts.min())
-    greedy = problem_of(RunConfig.from_mapping({**keys, "metrics-split": "validation",
+    greedy = problem_of(parse_config({**keys, "metrics-split": "validation",
                                                 "validation-samples-per-user": smallest - 1}))
     counts = full.users.train.counts
     assert np.array_equal(greedy.validation.counts, np.minimum(smallest - 1, counts - 2))

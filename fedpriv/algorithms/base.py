@@ -23,11 +23,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from fedpriv.params import ConfigError, Param, ParamGroup, Rule, merge_params
+from fedpriv.config import RunConfig, component_groups, own_params, plugin_config_type
+from fedpriv.params import ConfigError, Param, ParamGroup, Rule
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import gaussian_noise, symmetric_gaussian_noise
 
@@ -114,11 +115,21 @@ class UserContribution:
     metrics: Mapping[str, float] | None = None
 
 
-class Algorithm:
+C = TypeVar("C", bound=RunConfig)
+
+
+class Algorithm(Generic[C]):
     """Base class of a registered algorithm; subclasses set ``name`` and implement the hooks.
 
     ``private = False`` marks a non-private baseline: its plan is empty and its steps release
     sums without noise (or release nothing at all).
+
+    Keys: ``config_type`` is the typed config class the algorithm reads (``RunConfig`` plus its
+    family's component classes, ``fedpriv/algorithms/*/params.py``), and ``C`` the same class
+    for the type checker: ``class MyAlgorithm(Algorithm[MyConfig])`` with ``config_type =
+    MyConfig``. ``components`` (the key groups listings and checks read) follows from it.
+    A plug-in written before typed keys lists ``ParamGroup``s in ``components`` instead: its
+    config class is made at run time from them (no type checking of its keys).
     """
 
     name: ClassVar[str] = ""
@@ -128,21 +139,35 @@ class Algorithm:
     rescale_for_missing_nodes: ClassVar[bool] = True
     # feature families the algorithm's problem supports (the first is what 'auto' means)
     feature_families: ClassVar[tuple[str, ...]] = ("gaussian", "rademacher", "uniform", "mixed")
-    # the run-config keys the algorithm reads besides the core ones, one group per component
-    # (problem, initialization, rounds, ...); a subclass extends its parent's tuple
+    # the typed config class of the algorithm's keys (the core keys and its components')
+    config_type: ClassVar[type[RunConfig]] = RunConfig
+    # the groups of keys the algorithm reads besides the core ones, one per component
+    # (problem, initialization, rounds, ...): derived from ``config_type``
     components: ClassVar[tuple[ParamGroup, ...]] = ()
     # the algorithm's own defaults of keys whose good value depends on the algorithm (a
     # ``Param`` with a ``fallback``: ``rounds``, ``learning-rate``, ...)
     defaults: ClassVar[Mapping[str, Any]] = {}
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: C) -> None:
         self.config = config
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "components" in own and "config_type" in own:
+            raise TypeError(f"{cls.__qualname__}: set config_type (typed keys) or, as plug-ins "
+                            "did before typed keys, components (ParamGroups), not both")
+        if "components" in own:  # a plug-in written against the ParamGroup contract
+            cls.config_type = plugin_config_type(f"{cls.__name__}Config", cls.config_type,
+                                                 cls.components)
+        elif "config_type" in own:
+            cls.components = component_groups(cls.config_type)
 
     # ----- configuration ---------------------------------------------------------------------
     @classmethod
     def declared_params(cls) -> dict[str, Param]:
         """Every key of the algorithm's components (a shared key is one declaration)."""
-        return merge_params(cls.components)
+        return own_params(cls.config_type)
 
     @classmethod
     def default_of(cls, param: Param, core: Mapping[str, Any] | None = None) -> Any:
@@ -158,7 +183,7 @@ class Algorithm:
         return param.parse(value)
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def validate(cls, config: C) -> None:
         """Raise ``fedpriv.params.ConfigError`` naming the key when the config cannot run.
 
         Called after every key was parsed and range-checked. Runs each component's relation
@@ -172,14 +197,13 @@ class Algorithm:
         if cls.private and config.has("clipping") and not config.clipping:
             raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true "
                               "(only the non-private baselines may turn it off)")
-        if (config.has("feature-dist") and config.feature_dist != "auto"
-                and config.feature_dist not in cls.feature_families):
+        family = getattr(config, "feature_dist", "auto")
+        if family != "auto" and family not in cls.feature_families:
             raise ConfigError(f"feature-dist: {cls.name} supports "
-                              f"{', '.join(cls.feature_families)} (or auto), not "
-                              f"{config.feature_dist!r}")
+                              f"{', '.join(cls.feature_families)} (or auto), not {family!r}")
 
     @classmethod
-    def check_inputs(cls, config: Any) -> None:
+    def check_inputs(cls, config: C) -> None:
         """Checks that read the run's input data in full (a data file's every value). The CLI
         runs them before a run whose nodes read the files it was given (``fedpriv run``,
         ``sweep``, ``tune``); not the server nor the nodes, which read only what they need, nor
@@ -187,7 +211,7 @@ class Algorithm:
         may lack real features). Raise ``ConfigError`` naming the key; nothing by default."""
 
     @classmethod
-    def input_notes(cls, config: Any) -> list[str]:
+    def input_notes(cls, config: C) -> list[str]:
         """Remarks on the run's input data for the operator, printed by ``fedpriv run`` before
         the run (read from the operator's own copy of the data; never released): nothing by
         default."""
@@ -233,13 +257,13 @@ class Algorithm:
 
     # ----- both sides ------------------------------------------------------------------------
     @classmethod
-    def hosted_users(cls, config: Any, partition_id: int, num_partitions: int) -> np.ndarray:
+    def hosted_users(cls, config: C, partition_id: int, num_partitions: int) -> np.ndarray:
         """The users node ``partition_id`` of ``num_partitions`` hosts (default: a contiguous
         slice of ``range(num-users)``)."""
         return partition_users(config.num_users, partition_id, num_partitions)
 
     @classmethod
-    def public_hosting(cls, config: Any) -> bool:
+    def public_hosting(cls, config: C) -> bool:
         """Whether ``hosted_users`` is a function of public values, so that the server knows
         each node's user count (and checks and bounds its replies by it). False where it needs
         the users' data (natural users of a file): the server then takes each node's count
@@ -247,7 +271,7 @@ class Algorithm:
         return True
 
     @classmethod
-    def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
+    def participants(cls, config: C, step: Step, user_ids: np.ndarray) -> np.ndarray:
         """The users among ``user_ids`` that take part in ``step`` (default: all of them).
 
         Must depend only on public values (config, step, ids), never on data: the server uses
@@ -259,7 +283,7 @@ class Algorithm:
     # ----- user side (runs on the nodes; must not touch server state) ------------------------
     @classmethod
     def user_step(
-        cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
+        cls, config: C, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
     ) -> UserContribution:
         """The summed contributions of ``user_ids`` (already filtered by ``participants``)."""
         raise NotImplementedError

@@ -109,7 +109,8 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from fedpriv.config import ConfigError, RunConfig
+    from fedpriv.config import ConfigError
+    from fedpriv.configure import parse_config
     from fedpriv.privacy.accounting import InfeasiblePlanError
     from fedpriv.server import check_run
 
@@ -120,7 +121,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     sets = list(args.set or [])
     try:
         values = {**load_run_config(args.config, sets), "results-path": args.results}
-        check_run(RunConfig.from_mapping(values, strict=True))  # plan and budget, first
+        check_run(parse_config(values, strict=True))  # plan and budget, first
         # only what differs from the app's defaults goes on the command line
         explicit = read_config_file(args.config) if args.config else {}
         overrides = for_flower({**explicit, **parse_overrides(sets), "results-path":

@@ -28,8 +28,7 @@ import dp_accounting
 from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
 
-ACCOUNTANTS = ("pld", "rdp")
-NEIGHBOURING_RELATIONS = ("add-remove", "replace-one")
+from fedpriv.config import ACCOUNTANTS, NEIGHBOURING_RELATIONS
 
 _RELATIONS = ("add-remove", "replace-one")
 

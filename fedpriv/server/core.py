@@ -21,6 +21,7 @@ import numpy as np
 
 from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.config import RunConfig
+from fedpriv.configure import config_defaults
 from fedpriv.evaluation import EVALUATE, algorithm_for
 from fedpriv.faults import failing_partitions
 from fedpriv.privacy.accounting import Accountant
@@ -226,7 +227,7 @@ class PrivateServer:
 
     def _restore(self) -> None:
         state = self.store.load(self.config.to_mapping(), self.multipliers, self.pure_epsilons,
-                                self.config.defaults())
+                                config_defaults(self.config))
         self.algorithm.__dict__.update(state["algorithm"])
         self.__dict__.pop("_steps", None)
         self.release.load_state(state)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import (
     EventKey,
@@ -62,7 +62,7 @@ def point_counts(spec: TuneSpec, epsilon: float,
     cache: dict[tuple, dict[EventKey, int]] = {}
     out = {}
     for i, point in enumerate(spec.points):
-        config = RunConfig.from_mapping(spec.candidate_values(point, epsilon), strict=True)
+        config = parse_config(spec.candidate_values(point, epsilon), strict=True)
         plan = tuple(algorithm_for(config)(config).privacy_plan())
         key = (plan, config.accountant, config.neighbouring_relation)
         if key not in cache:

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config import RunConfig
 from fedpriv.config_files import toml_value
+from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process, write_results
 from fedpriv.outputs import run_files, write_outputs
 from fedpriv.privacy.accounting import EventKey
@@ -149,7 +149,7 @@ def _clear(out: Path) -> None:
 
 
 def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[str, Any]:
-    config = RunConfig.from_mapping(values, strict=True)
+    config = parse_config(values, strict=True)
     if engine != "flower":
         results = run_in_process(config, log=lambda _: None)
         write_results(results, path)

@@ -53,15 +53,9 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.config import (
-    CORE,
-    ConfigError,
-    RunConfig,
-    algorithm_params,
-    default_mapping,
-    select_keys,
-)
+from fedpriv.config import CORE, ConfigError, default_mapping
 from fedpriv.config_files import parse_overrides, read_config_file
+from fedpriv.configure import algorithm_params, parse_config, select_keys
 from fedpriv.privacy.accounting import InfeasiblePlanError
 from fedpriv.privacy.selection import DISTRIBUTIONS, Repetitions
 
@@ -303,7 +297,7 @@ def _check_points(spec: TuneSpec) -> None:
     for point in spec.points:
         where = ", ".join(f"{k}={v!r}" for k, v in point.items())
         try:
-            config = RunConfig.from_mapping(spec.candidate_values(point, spec.epsilon),
+            config = parse_config(spec.candidate_values(point, spec.epsilon),
                                             strict=True)
             cls = algorithm_for(config)
             cls.check_inputs(config)  # every value of a data file (cached)

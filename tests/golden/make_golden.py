@@ -76,13 +76,15 @@ def run(values: dict, tmp: Path) -> dict:
     results = run_in_process(config, log=lambda _: None)
     return {"metrics": results["metrics"], "privacy": results["privacy"],
             "rounds": untimed(results["rounds"]), "state": digest(results["server_state"]),
-            "config": {k: v for k, v in results["config"].items() if not k.endswith("-path")}}
+            "config": {k: v for k, v in results["config"].items()
+                       if not k.endswith("-path")}}
 
 
 def untimed(value):
     """``value`` without wall-clock figures (the only part of a run that may differ)."""
     if isinstance(value, dict):
-        return {k: untimed(v) for k, v in value.items() if "time" not in k and k not in ("seconds", "wall_s")}
+        return {k: untimed(v) for k, v in value.items()
+                if "time" not in k and k not in ("seconds", "wall_s")}
     if isinstance(value, list):
         return [untimed(v) for v in value]
     return value

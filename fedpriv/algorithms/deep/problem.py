@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedpriv.algorithms.base import partition_users
 from fedpriv.algorithms.deep.models import ModelSpec, model_spec
 from fedpriv.algorithms.deep.params import FILE_SOURCES, data_part, sizes
-from fedpriv.cohorts import partition_users
 from fedpriv.data.partition import (
     Partition,
     PartitionError,

@@ -20,7 +20,7 @@ from fedpriv.algorithms.exp_mech.params import A_EXP
 from fedpriv.algorithms.personalization.linear_math import subspace_distance
 from fedpriv.algorithms.personalization.params import PROBLEM
 from fedpriv.algorithms.personalization.problem import evaluate_models, final_metrics, problem_of
-from fedpriv.cohorts import cohort_data
+from fedpriv.data.cache import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.privacy.mechanisms import score_sum
 

@@ -34,7 +34,7 @@ from fedpriv.algorithms.personalization.problem import (
     local_models,
     problem_of,
 )
-from fedpriv.cohorts import cohort_data
+from fedpriv.data.cache import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import clipped_sum

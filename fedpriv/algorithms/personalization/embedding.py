@@ -36,7 +36,7 @@ from fedpriv.algorithms.personalization.problem import (
     final_metrics,
     problem_of,
 )
-from fedpriv.cohorts import cohort_data
+from fedpriv.data.cache import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease

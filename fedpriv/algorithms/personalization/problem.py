@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from fedpriv.algorithms.personalization.linear_math import least_squares, local_vectors
-from fedpriv.cohorts import cohort_data
+from fedpriv.data.cache import cohort_data
 from fedpriv.data.synthetic import SyntheticProblem, UserData, true_user_models
 
 

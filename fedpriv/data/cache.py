@@ -1,28 +1,21 @@
-"""Which users a node hosts, how it computes them in blocks, and a bounded cache of their data.
+"""A bounded per-process cache of regenerated synthetic users' data, in blocks.
 
-Memory: a node never computes its whole cohort at once. ``node_step`` cuts its users into
-blocks of ``FEDPRIV_BLOCK_USERS`` (environment; default 20,000), runs the algorithm's user step
-on each block and adds the blocks' sums (every contribution and final metric is a sum over
-users, so the result is the same up to float rounding). A user's data is regenerated from
-(seed, user id) when it is needed; regenerated blocks are kept in a per-process cache bounded by
-``FEDPRIV_CACHE_MB`` (default 2048 MB; blocks that do not fit are regenerated when needed), so
-a node's memory is bounded by the cache plus one block's working set, whatever its cohort size.
-Neither setting changes what a run computes.
+A user's data is regenerated from (seed, user id) when it is needed; regenerated blocks of
+``block_users()`` ids (``FEDPRIV_BLOCK_USERS``, default 20,000) are kept in a per-process cache
+bounded by ``FEDPRIV_CACHE_MB`` (default 2048 MB; blocks that do not fit are regenerated when
+needed), so a node's memory is bounded by the cache plus one block's working set, whatever its
+cohort size. Neither setting changes what a run computes.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from fedpriv.algorithms.base import Step, UserContribution, partition_users
 from fedpriv.data.synthetic import SyntheticProblem, UserData, generate_users
-
-__all__ = ["partition_users"]  # re-exported: where the node layout is looked up
 
 BLOCK_USERS_ENV = "FEDPRIV_BLOCK_USERS"
 CACHE_MB_ENV = "FEDPRIV_CACHE_MB"
@@ -36,42 +29,6 @@ def block_users() -> int:
     return value
 
 
-def auto_num_nodes(num_users: int, users_per_node: int) -> int:
-    """Number of SuperNodes: ``ceil(n / users-per-node)``, or with ``users-per-node = 0`` a
-    cohort layout that keeps Flower's per-node overhead small (at most 10 nodes, cohorts of at
-    least 100 users)."""
-    if users_per_node > 0:
-        return -(-num_users // users_per_node)
-    return max(1, min(10, num_users // 100))
-
-
-def node_step(algorithm: Any, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
-              hosted: np.ndarray) -> UserContribution:
-    """The node's answer to ``step`` for the users it hosts: the algorithm's user step over
-    blocks of at most ``block_users()`` hosted users (those of each block that take part in
-    the step), summed."""
-    size = block_users()
-    total: UserContribution | None = None
-    for start in range(0, len(hosted), size):
-        users = algorithm.participants(config, step, hosted[start:start + size])
-        if len(users):
-            part = algorithm.user_step(config, step, arrays, users)
-            total = part if total is None else add_contributions(total, part)
-    if total is None:  # nobody takes part: the algorithm's own empty answer
-        total = algorithm.user_step(config, step, arrays, hosted[:0])
-    return total
-
-
-def add_contributions(a: UserContribution, b: UserContribution) -> UserContribution:
-    """The contribution of two disjoint sets of users (sums add)."""
-    if set(a.totals) != set(b.totals) or (a.metrics is None) != (b.metrics is None):
-        raise ValueError("blocks of one step returned different parts")
-    metrics = None if a.metrics is None else {k: a.metrics[k] + b.metrics[k]
-                                               for k in a.metrics}  # type: ignore[index]
-    return UserContribution({k: a.totals[k] + b.totals[k] for k in a.totals},
-                            a.num_users + b.num_users, a.num_clipped + b.num_clipped, metrics)
-
-
 class BlockCache:
     """Cache of regenerated user blocks, bounded in bytes (keys start with the problem)."""
 
@@ -79,9 +36,9 @@ class BlockCache:
         self.capacity = capacity_bytes
         self.nbytes = 0
         self.peak = 0  # the most it ever held (tests)
-        self._blocks: OrderedDict[tuple, UserData] = OrderedDict()
+        self._blocks: OrderedDict[tuple[Hashable, ...], UserData] = OrderedDict()
 
-    def get(self, key: tuple, make) -> UserData:
+    def get(self, key: tuple[Hashable, ...], make: Callable[[], UserData]) -> UserData:
         block = self._blocks.get(key)
         if block is not None:
             self._blocks.move_to_end(key)
@@ -115,7 +72,18 @@ def _nbytes(data: UserData) -> int:
 DEFAULT_CACHE_MB = 2048
 """The cache of one process; a Flower simulation gives each ClientApp actor its share."""
 
-CACHE = BlockCache(int(float(os.environ.get(CACHE_MB_ENV, str(DEFAULT_CACHE_MB))) * 2**20))
+_CACHE: list[BlockCache] = []
+
+
+def block_cache() -> BlockCache:
+    """The process's cache, made on first use with ``FEDPRIV_CACHE_MB`` megabytes (so setting
+    the variable before the first run counts, whenever this module was imported)."""
+    if not _CACHE:
+        megabytes = float(os.environ.get(CACHE_MB_ENV, str(DEFAULT_CACHE_MB)))
+        if not megabytes >= 0:
+            raise ValueError(f"{CACHE_MB_ENV} must be a number >= 0, got {megabytes}")
+        _CACHE.append(BlockCache(int(megabytes * 2**20)))
+    return _CACHE[0]
 
 
 PARTS = ("all", "s0")
@@ -158,7 +126,7 @@ def cohort_data(
             data = generate_users(problem, np.arange(f, la), samples=m, purpose=purpose)
             return _first_half(data) if part == "s0" else data
 
-        pieces.append(CACHE.get((problem, first, last, m, purpose, part), make))
+        pieces.append(block_cache().get((problem, first, last, m, purpose, part), make))
     if len(pieces) == 1:
         block = pieces[0]
     else:
