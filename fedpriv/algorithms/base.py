@@ -194,7 +194,7 @@ class Algorithm(Generic[C]):
         for group in dict.fromkeys(cls.components):
             if group.check is not None:
                 group.check(config)
-        if cls.private and config.has("clipping") and not config.clipping:
+        if cls.private and not getattr(config, "clipping", True):
             raise ConfigError(f"clipping: {cls.name} is private and needs clipping = true "
                               "(only the non-private baselines may turn it off)")
         family = getattr(config, "feature_dist", "auto")

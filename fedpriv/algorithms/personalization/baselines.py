@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
-from fedpriv.algorithms.personalization.params import GLOBAL_MODEL, PROBLEM
+from fedpriv.algorithms.personalization.params import GlobalModelConfig, ProblemKeys
 from fedpriv.algorithms.personalization.problem import (
     clip_or_inf,
     embedding_models,
@@ -40,10 +40,10 @@ from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import clipped_sum
 
 
-class _FinalOnly(Algorithm):
+class _FinalOnly(Algorithm[ProblemKeys]):
     """An algorithm whose only step is each user's final fit: nothing is released."""
 
-    components = (PROBLEM,)
+    config_type = ProblemKeys
 
     def privacy_plan(self) -> list[PlannedRelease]:
         return []
@@ -58,18 +58,18 @@ class _FinalOnly(Algorithm):
         return final_metrics(self.config, metric_sums, num_users)
 
     @classmethod
-    def models(cls, config: Any, user_ids: np.ndarray) -> np.ndarray:
+    def models(cls, config: ProblemKeys, user_ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     evaluation_bounds = staticmethod(evaluation_bounds)
 
     @classmethod
-    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+    def evaluation_values(cls, config: ProblemKeys, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         return evaluation_mse(config, user_ids, cls.models(config, user_ids))
 
     @classmethod
-    def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+    def user_step(cls, config: ProblemKeys, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         problem = problem_of(config)
         metrics = evaluate_models(problem, user_ids, cls.models(config, user_ids),
@@ -82,7 +82,7 @@ class LocalOnly(_FinalOnly):
     summary = "each user alone: least squares on its own m samples (baseline)"
 
     @classmethod
-    def models(cls, config: Any, user_ids: np.ndarray) -> np.ndarray:
+    def models(cls, config: ProblemKeys, user_ids: np.ndarray) -> np.ndarray:
         return local_models(problem_of(config), user_ids)
 
 
@@ -94,19 +94,19 @@ class KnownEmbedding(_FinalOnly):
         return {**super().finalize(metric_sums, num_users), "subspace_distance": 0.0}
 
     @classmethod
-    def models(cls, config: Any, user_ids: np.ndarray) -> np.ndarray:
+    def models(cls, config: ProblemKeys, user_ids: np.ndarray) -> np.ndarray:
         problem = problem_of(config)
         return embedding_models(problem, ground_truth_embedding(problem), user_ids)
 
 
-class DPGlobalModel(Algorithm):
+class DPGlobalModel(Algorithm[GlobalModelConfig]):
     """A single user-level DP regression vector for everybody (DP-FedAvg, one local step)."""
 
     name = "dp-global-model"
     summary = "one shared regression vector by DP-FedAvg (baseline)"
-    components = (PROBLEM, GLOBAL_MODEL)
+    config_type = GlobalModelConfig
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: GlobalModelConfig) -> None:
         super().__init__(config)
         self.model = np.zeros(config.dim)
 
@@ -115,7 +115,7 @@ class DPGlobalModel(Algorithm):
 
     def steps(self) -> list[Step]:
         c = self.config
-        part = Part("total", (c.dim,), clip_or_inf(c, c.clip_norm))
+        part = Part("total", (c.dim,), clip_or_inf(c.clipping, c.clip_norm))
         return [*(Step("round", t, "round", (part,)) for t in range(1, c.rounds + 1)),
                 Step("final")]
 
@@ -135,14 +135,14 @@ class DPGlobalModel(Algorithm):
     evaluation_bounds = staticmethod(evaluation_bounds)
 
     @classmethod
-    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+    def evaluation_values(cls, config: GlobalModelConfig, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         model = np.asarray(arrays["model"], dtype=np.float64)
         models = np.broadcast_to(model, (len(user_ids), config.dim))
         return evaluation_mse(config, user_ids, models)
 
     @classmethod
-    def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+    def user_step(cls, config: GlobalModelConfig, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         problem = problem_of(config)
         model = np.asarray(arrays["model"], dtype=np.float64)

@@ -19,14 +19,14 @@ Initializations (``init`` in the config; ``auto`` picks the algorithm's own pape
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.personalization import init_math
 from fedpriv.algorithms.personalization.linear_math import orthonormalize, subspace_distance
-from fedpriv.algorithms.personalization.params import INIT, PROBLEM
+from fedpriv.algorithms.personalization.params import EmbeddingConfig
 from fedpriv.algorithms.personalization.problem import (
     clip_or_inf,
     embedding_models,
@@ -42,25 +42,26 @@ from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 
 _RANDOM_INIT_STREAM = 0xA11
+EC = TypeVar("EC", bound=EmbeddingConfig)
 
 
-class EmbeddingAlgorithm(Algorithm):
+class EmbeddingAlgorithm(Algorithm[EC]):
     """Base of the algorithms that release a shared embedding ``U`` (d x k)."""
 
     default_init: ClassVar[str] = "u-statistic"
-    components = (PROBLEM, INIT)
+    config_type = EmbeddingConfig
 
     @classmethod
-    def init_method(cls, config: Any) -> str:
+    def init_method(cls, config: EC) -> str:
         return cls.default_init if config.init == "auto" else config.init
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def validate(cls, config: EC) -> None:
         super().validate(config)
         if cls.init_method(config) in ("u-statistic", "pairs") and config.samples_per_user // 2 < 2:
             raise ConfigError("samples-per-user: the initialization needs >= 2 samples in S0")
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EC) -> None:
         super().__init__(config)
         self.problem = problem_of(config)
         self.init = self.init_method(config)
@@ -81,7 +82,7 @@ class EmbeddingAlgorithm(Algorithm):
         raise NotImplementedError
 
     @classmethod
-    def round_contribution(cls, config: Any, step: Step, embedding: np.ndarray,
+    def round_contribution(cls, config: EC, step: Step, embedding: np.ndarray,
                            data: Any) -> UserContribution:
         """The users' answer to a round; ``data`` holds their ``S0`` (the first half of their
         training points: rounds never read the held-back half)."""
@@ -103,10 +104,10 @@ class EmbeddingAlgorithm(Algorithm):
         if self.init == "random":
             return None
         if self.init == "u-statistic":
-            bound = clip_or_inf(c, c.init_clip_norm)
+            bound = clip_or_inf(c.clipping, c.init_clip_norm)
         else:
             bound = init_math.pair_bound(c.samples_per_user // 2,
-                                         clip_or_inf(c, c.response_clip))
+                                         clip_or_inf(c.clipping, c.response_clip))
         release = "init" if self.private else None
         return Step("init", 0, release, (Part("total", (c.dim, c.dim), bound, symmetric=True),))
 
@@ -139,14 +140,14 @@ class EmbeddingAlgorithm(Algorithm):
     evaluation_bounds = staticmethod(evaluation_bounds)
 
     @classmethod
-    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+    def evaluation_values(cls, config: EC, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         models = embedding_models(problem_of(config), arrays["embedding"], user_ids)
         return evaluation_mse(config, user_ids, models)
 
     @classmethod
     def user_step(
-        cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
+        cls, config: EC, step: Step, arrays: Mapping[str, np.ndarray], user_ids: np.ndarray
     ) -> UserContribution:
         problem = problem_of(config)
         if step.is_final:  # the users' data is fetched once for the fit and the metrics
@@ -163,6 +164,6 @@ class EmbeddingAlgorithm(Algorithm):
                                                                    step.parts[0].clip_norm)
             else:
                 total, clipped = init_math.clipped_pair_sum(
-                    x0, y0, clip_or_inf(config, config.response_clip))
+                    x0, y0, clip_or_inf(config.clipping, config.response_clip))
             return UserContribution({"total": total}, len(user_ids), clipped)
         return cls.round_contribution(config, step, arrays["embedding"], data)

@@ -32,29 +32,29 @@ import numpy as np
 from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.algorithms.personalization import altmin_math as altmin
 from fedpriv.algorithms.personalization.embedding import EmbeddingAlgorithm
-from fedpriv.algorithms.personalization.params import ALTMIN
+from fedpriv.algorithms.personalization.params import AltMinConfig
 from fedpriv.algorithms.personalization.problem import clip_or_inf
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.randomness import user_groups
 
 
-class PrivAltMin(EmbeddingAlgorithm):
+class PrivAltMin(EmbeddingAlgorithm[AltMinConfig]):
     """Private alternating minimization with perturbed sufficient statistics."""
 
     name = "priv-altmin"
     summary = "Priv-AltMin (Jain et al. 2021, Algs. 1-3)"
     default_init = "pairs"
-    components = (*EmbeddingAlgorithm.components, ALTMIN)
+    config_type = AltMinConfig
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def validate(cls, config: AltMinConfig) -> None:
         super().validate(config)
         if config.samples_per_user // 2 < 2:
             raise ConfigError("samples-per-user: Priv-AltMin needs >= 2 training samples "
                               "(the first half of m): one part solves v, one forms statistics")
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: AltMinConfig) -> None:
         super().__init__(config)
         train = config.samples_per_user // 2
         self.stat_samples = train - altmin.sample_split(train)
@@ -69,7 +69,7 @@ class PrivAltMin(EmbeddingAlgorithm):
 
     def round_steps(self) -> list[Step]:
         c = self.config
-        eta, zeta = clip_or_inf(c, c.feature_clip), clip_or_inf(c, c.response_clip)
+        eta, zeta = clip_or_inf(c.clipping, c.feature_clip), clip_or_inf(c.clipping, c.response_clip)
         cov_bound, corr_bound = altmin.statistic_bounds(self.stat_samples, eta, zeta)
         dk = c.dim * c.rank
         share = c.cov_budget_share
@@ -88,7 +88,7 @@ class PrivAltMin(EmbeddingAlgorithm):
         return steps
 
     @classmethod
-    def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
+    def participants(cls, config: AltMinConfig, step: Step, user_ids: np.ndarray) -> np.ndarray:
         if step.group is None:
             return user_ids
         groups = user_groups(config.seed, config.num_users, config.user_groups)
@@ -102,12 +102,12 @@ class PrivAltMin(EmbeddingAlgorithm):
         return {**super().finalize(metric_sums, num_users), "epochs": float(self.epochs)}
 
     @classmethod
-    def round_contribution(cls, config: Any, step: Step, embedding: np.ndarray,
+    def round_contribution(cls, config: AltMinConfig, step: Step, embedding: np.ndarray,
                            data: Any) -> UserContribution:
         x0, y0 = data.features, data.labels  # the users' S0
         cov, corr, clipped = altmin.sufficient_statistics(
-            embedding, x0, y0, clip_or_inf(config, config.feature_clip),
-            clip_or_inf(config, config.response_clip))
+            embedding, x0, y0, clip_or_inf(config.clipping, config.feature_clip),
+            clip_or_inf(config.clipping, config.response_clip))
         return UserContribution({"cov": cov, "corr": corr}, len(data.user_ids), clipped)
 
 

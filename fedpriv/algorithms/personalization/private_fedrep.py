@@ -19,35 +19,35 @@ import numpy as np
 from fedpriv.algorithms.base import Part, Step, UserContribution
 from fedpriv.algorithms.personalization import fedrep_math as fedrep
 from fedpriv.algorithms.personalization.embedding import EmbeddingAlgorithm
-from fedpriv.algorithms.personalization.params import FEDREP
+from fedpriv.algorithms.personalization.params import FedRepConfig
 from fedpriv.algorithms.personalization.problem import clip_or_inf
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import clipped_outer_sum
 
 
-def batch_size_of(config: Any) -> int:
+def batch_size_of(config: FedRepConfig) -> int:
     policy = config.batch_size if config.batch_size in ("max", "paper") else int(config.batch_size)
     return fedrep.resolve_batch_size(policy, config.samples_per_user, config.rounds, config.rank)
 
 
-class PrivateFedRep(EmbeddingAlgorithm):
+class PrivateFedRep(EmbeddingAlgorithm[FedRepConfig]):
     """Private FedRep (Alg. 1) initialized by the private U-statistic method (Alg. 2)."""
 
     name = "private-fedrep"
     summary = "Private FedRep (Snedeker, Zhou & Bassily 2025, Algs. 1-2)"
     default_init = "u-statistic"
-    components = (*EmbeddingAlgorithm.components, FEDREP)
+    config_type = FedRepConfig
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def validate(cls, config: FedRepConfig) -> None:
         super().validate(config)
         try:
             batch_size_of(config)
         except ValueError as err:
             raise ConfigError(f"batch-size: {err}") from None
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: FedRepConfig) -> None:
         super().__init__(config)
         self.batch_size = batch_size_of(config)
 
@@ -56,7 +56,7 @@ class PrivateFedRep(EmbeddingAlgorithm):
 
     def round_steps(self) -> list[Step]:
         c = self.config
-        part = Part("total", (c.dim, c.rank), clip_or_inf(c, c.clip_norm))
+        part = Part("total", (c.dim, c.rank), clip_or_inf(c.clipping, c.clip_norm))
         release = "round" if self.private else None
         return [Step("round", t, release, (part,)) for t in range(1, c.rounds + 1)]
 
@@ -69,7 +69,7 @@ class PrivateFedRep(EmbeddingAlgorithm):
         return {**super().finalize(metric_sums, num_users), "batch_size": float(self.batch_size)}
 
     @classmethod
-    def round_contribution(cls, config: Any, step: Step, embedding: np.ndarray,
+    def round_contribution(cls, config: FedRepConfig, step: Step, embedding: np.ndarray,
                            data: Any) -> UserContribution:
         g, v = fedrep.gradient_factors(embedding, data.features, data.labels, data.user_ids,
                                        config.seed, step.index, batch_size_of(config))

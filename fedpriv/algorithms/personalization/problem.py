@@ -9,16 +9,16 @@ identity-covariance features the population MSE of a model ``w`` is exactly
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from fedpriv.algorithms.personalization.linear_math import least_squares, local_vectors
+from fedpriv.algorithms.personalization.params import ProblemKeys
 from fedpriv.data.cache import cohort_data
 from fedpriv.data.synthetic import SyntheticProblem, UserData, true_user_models
 
 
-def problem_of(config: Any) -> SyntheticProblem:
+def problem_of(config: ProblemKeys) -> SyntheticProblem:
     return SyntheticProblem(
         num_users=config.num_users,
         dim=config.dim,
@@ -31,9 +31,9 @@ def problem_of(config: Any) -> SyntheticProblem:
     )
 
 
-def clip_or_inf(config: Any, value: float) -> float:
+def clip_or_inf(clipping: bool, value: float) -> float:
     """A clip norm, or ``inf`` when the (non-private) config turns clipping off."""
-    return value if config.clipping else float("inf")
+    return value if clipping else float("inf")
 
 
 def evaluate_models(
@@ -65,7 +65,7 @@ def user_test_mse(problem: SyntheticProblem, user_ids: np.ndarray, models: np.nd
     return (test_err**2).mean(axis=1)
 
 
-def evaluation_bounds(config: Any) -> dict[str, float]:
+def evaluation_bounds(config: ProblemKeys) -> dict[str, float]:
     """Private metrics of the personalization family: each user's test MSE (``metrics-split =
     "validation"``: its validation MSE), clipped to ``[0, metric-clip]`` (see
     ``fedpriv.evaluation``). ``metric-clip = 0``: twice the test MSE of the zero model,
@@ -74,14 +74,14 @@ def evaluation_bounds(config: Any) -> dict[str, float]:
     return {name: config.metric_clip or 2.0 * (config.label_noise**2 + config.rank)}
 
 
-def _evaluation_split(config: Any) -> tuple[str, str, int]:
+def _evaluation_split(config: ProblemKeys) -> tuple[str, str, int]:
     """(metric name, data purpose, points per user) of the private evaluation."""
     if config.metrics_split == "validation":
         return "validation_mse", "validation", config.validation_samples_per_user
     return "test_mse", "test", config.test_samples_per_user
 
 
-def evaluation_mse(config: Any, user_ids: np.ndarray,
+def evaluation_mse(config: ProblemKeys, user_ids: np.ndarray,
                    models: np.ndarray) -> dict[str, np.ndarray]:
     """The per-user values of the private evaluation: each user's MSE of its final model on its
     test points, or on its held-back validation points (``metrics-split``)."""
@@ -107,7 +107,7 @@ def embedding_models(
 
 
 def final_metrics(
-    config: Any, metric_sums: Mapping[str, float], num_users: int
+    config: ProblemKeys, metric_sums: Mapping[str, float], num_users: int
 ) -> dict[str, float]:
     noise_floor = config.label_noise**2
     excess = metric_sums["excess"] / num_users
