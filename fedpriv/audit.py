@@ -88,7 +88,7 @@ def _release_samples(config: RunConfig, trials: int, noise_scale: float) -> tupl
     """First coordinate of the first private release, ``trials`` times on D and on D'."""
     server = PrivateServer(config, 1, log=lambda _: None)
     step = next((s for s in server.steps() if s.release is not None), None)
-    if step is None:
+    if step is None or step.release is None:
         raise ValueError(f"{config.algorithm} makes no private release to audit")
     if step.parts[0].mechanism != "gaussian":
         raise ValueError("the audit covers Gaussian releases (not the exponential mechanism)")
@@ -127,10 +127,10 @@ def run_audit(config: RunConfig, trials: int = 20000, alpha: float = 0.05,
     candidates = np.quantile(np.concatenate([without[:half], with_canary[:half]]),
                              np.linspace(0.01, 0.99, 197))
 
-    def rates(a, b, t):
+    def rates(a: np.ndarray, b: np.ndarray, t: float) -> tuple[float, float]:
         return float((a > t).mean()), float((b <= t).mean())
 
-    def empirical(t):
+    def empirical(t: float) -> float:
         fpr, fnr = rates(without[:half], with_canary[:half], t)
         return epsilon_lower_bound(max(fpr, 1.0 / half), max(fnr, 1.0 / half), config.delta)
 

@@ -14,9 +14,9 @@ This module is the bottom of the keys layer: it imports nothing from fedpriv but
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, make_dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from fedpriv.params import (
     ConfigError,
@@ -150,6 +150,17 @@ class RunConfig:
                               f"({self.max_epsilon}); the run would spend more than allowed")
         if self.resume and not self.checkpoint:
             raise ConfigError("resume: needs checkpoint = true")
+
+    # ----- what moved with typed keys (a clear error for code written before) ------------------
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> NoReturn:
+        raise AttributeError("RunConfig.from_mapping moved: use fedpriv.configure.parse_config("
+                             "values, strict) (typed keys: the parsed config is the "
+                             "algorithm's own config class)")
+
+    def defaults(self) -> NoReturn:
+        raise AttributeError("RunConfig.defaults() moved: use "
+                             "fedpriv.configure.config_defaults(config)")
 
     def has(self, key: str) -> bool:
         """Whether ``key`` (kebab-case) is a key of this run (core or the algorithm's own)."""

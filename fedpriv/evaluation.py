@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from functools import cache
 from typing import Any
 
 import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
+from fedpriv.config import RunConfig
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease, gdp_mu
 
@@ -45,7 +45,7 @@ EVALUATION = "evaluation"
 EVALUATE = "evaluate"
 
 
-def algorithm_for(config: Any) -> type:
+def algorithm_for(config: RunConfig) -> type[Algorithm[Any]]:
     """The class that runs ``config``: the registered algorithm, with the private evaluation
     step when ``private-metrics`` is on."""
     from fedpriv.registry import get_algorithm
@@ -54,7 +54,7 @@ def algorithm_for(config: Any) -> type:
     return with_evaluation(cls) if config.private_metrics else cls
 
 
-def check(config: Any, cls: type) -> None:
+def check(config: RunConfig, cls: type[Algorithm[Any]]) -> None:
     """Refuse ``private-metrics`` where it cannot be released (raises naming the key)."""
     if config.metrics_split != "test" and not config.private_metrics:
         raise ConfigError(f"metrics-split: {config.metrics_split!r} chooses the data of the "
@@ -74,10 +74,26 @@ def check(config: Any, cls: type) -> None:
         raise ConfigError(f"private-metrics: {cls.name} provides no per-user evaluation values")
 
 
-@cache
-def with_evaluation(cls: type) -> type:
-    """``cls`` with the private evaluation step (see the module docstring)."""
+# with_evaluation's classes, one per algorithm class (functools.cache would do, but mypy
+# cannot see that a class is hashable)
+_EVALUATED: dict[type[Algorithm[Any]], type[Algorithm[Any]]] = {}
 
+
+def with_evaluation(cls: type[Algorithm[Any]]) -> type[Algorithm[Any]]:
+    """``cls`` with the private evaluation step (see the module docstring); the same class
+    on every call."""
+    made = _EVALUATED.get(cls)
+    if made is None:
+        made = _EVALUATED.setdefault(cls, _with_evaluation(cls))
+    return made
+
+
+def _with_evaluation(cls: type[Algorithm[Any]]) -> type[Algorithm[Any]]:
+    """A class made at run time on a base known at run time only: for the type checker its
+    base is ``Any`` (so the evaluation hooks, which ``check`` confirmed, need no declaration),
+    and what a method returns from ``super()`` is annotated."""
+
+    # valid-type, misc: mypy cannot check a class whose base is a variable
     class Evaluated(cls):  # type: ignore[valid-type, misc]
         def privacy_plan(self) -> list[PlannedRelease]:
             base = super().privacy_plan()
@@ -95,36 +111,44 @@ def with_evaluation(cls: type) -> type:
             return [*base[:-1], Step(EVALUATE, 0, EVALUATION, parts), base[-1]]
 
         def broadcast(self, step: Step) -> dict[str, np.ndarray]:
-            return super().broadcast(Step("final") if step.kind == EVALUATE else step)
+            arrays: dict[str, np.ndarray] = super().broadcast(
+                Step("final") if step.kind == EVALUATE else step)
+            return arrays
 
         def noise(self, step: Step, part: Part, std: float,
                   rng: np.random.Generator) -> np.ndarray:
             if step.kind == EVALUATE:  # plain Gaussian noise, whatever the algorithm's rounds use
                 return Algorithm.noise(self, step, part, std, rng)
-            return super().noise(step, part, std, rng)
+            noise: np.ndarray = super().noise(step, part, std, rng)
+            return noise
 
         def charge(self, step: Step) -> tuple[list[int] | None, float]:
             return (None, 1.0) if step.kind == EVALUATE else super().charge(step)
 
         def apply(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> dict[str, float]:
             if step.kind != EVALUATE:
-                return super().apply(step, noisy_means)
+                metrics: dict[str, float] = super().apply(step, noisy_means)
+                return metrics
             half = {p.name: p.clip_norm for p in step.parts}  # B/2, public
             self.private_metrics = {k: float(np.asarray(v).reshape(-1)[0]) + half[k]
                                     for k, v in noisy_means.items()}
             return {f"private_{k}": v for k, v in self.private_metrics.items()}
 
         @classmethod
-        def participants(cls_, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
+        def participants(cls_, config: RunConfig, step: Step,
+                         user_ids: np.ndarray) -> np.ndarray:
             if step.kind == EVALUATE:
                 return user_ids  # every user of the fixed population, never a sample
-            return super().participants(config, step, user_ids)
+            taking_part: np.ndarray = super().participants(config, step, user_ids)
+            return taking_part
 
         @classmethod
-        def user_step(cls_, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+        def user_step(cls_, config: RunConfig, step: Step, arrays: Mapping[str, np.ndarray],
                       user_ids: np.ndarray) -> UserContribution:
             if step.kind != EVALUATE:
-                return super().user_step(config, step, arrays, user_ids)
+                contribution: UserContribution = super().user_step(config, step, arrays,
+                                                                   user_ids)
+                return contribution
             return clipped_evaluation(cls_.evaluation_values(config, arrays, user_ids),
                                       cls_.evaluation_bounds(config), len(user_ids))
 

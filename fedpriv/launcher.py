@@ -152,7 +152,7 @@ class FlowerSession:
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.ray_address: str | None = None
         self.link: LocalSuperLink | None = None
-        self._head: subprocess.Popen | None = None
+        self._head: subprocess.Popen[bytes] | None = None
         self._tmp: str | None = None
         self._stop_superlink = False
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from fedpriv.algorithms.base import Algorithm, Step
 from fedpriv.config import RunConfig
 from fedpriv.nodes import node_step
 from fedpriv.server import NodeReply, PrivateServer
@@ -80,11 +81,11 @@ class StepCheck:
         return bool(self.distance <= self.bound * (1.0 + self.tolerance))
 
 
-def replies(cls: type, config: RunConfig, step: Any, arrays: dict[str, np.ndarray],
+def replies(cls: type[Algorithm[Any]], config: RunConfig, step: Step, arrays: dict[str, np.ndarray],
             num_partitions: int) -> list[NodeReply]:
     """Every node's honest answer to ``step`` (as the in-process engine computes them); a node
     that raises answers with an error, as a Flower node would."""
-    out = []
+    out: list[NodeReply] = []
     for p in range(num_partitions):
         try:
             contrib = node_step(cls, config, step, arrays, cls.hosted_users(config, p,
@@ -102,23 +103,25 @@ def _captured(server: PrivateServer) -> Iterator[dict[str, np.ndarray]]:
     seen: dict[str, np.ndarray] = {}
     apply, select = server.algorithm.apply, server.release.select
 
-    def on_apply(step: Any, noisy: dict[str, np.ndarray]) -> Any:
+    def on_apply(step: Step, noisy: Mapping[str, np.ndarray]) -> dict[str, float]:
         seen.update({k: np.array(v, dtype=np.float64) for k, v in noisy.items()
                      if k != "choice"})
         return apply(step, noisy)
 
-    def on_select(step: Any, scores: np.ndarray, population: int) -> Any:
+    def on_select(step: Step, scores: np.ndarray, population: int) -> dict[str, Any]:
         seen[step.parts[0].name] = np.array(scores, dtype=np.float64)
         return select(step, scores, population)
 
-    server.algorithm.apply, server.release.select = on_apply, on_select
+    # instance attributes that shadow the two methods for one step (deleted after)
+    setattr(server.algorithm, "apply", on_apply)  # noqa: B010 -- mypy: no assigning methods
+    setattr(server.release, "select", on_select)  # noqa: B010
     try:
         yield seen
     finally:
         del server.algorithm.apply, server.release.select
 
 
-def _bounds(server: PrivateServer, step: Any, report: dict, relation: str,
+def _bounds(server: PrivateServer, step: Step, report: dict[str, Any], relation: str,
             ) -> dict[str, float]:
     """Each part's stated bound on one user's move of the release of ``step``."""
     entry = server.accountant.ledger[-1]

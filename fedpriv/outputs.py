@@ -49,13 +49,13 @@ def public_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k in declared and declared[k].public}
 
 
-def release_path(results_path: str | os.PathLike) -> Path:
+def release_path(results_path: str | os.PathLike[str]) -> Path:
     """Where the release of a run whose operator report is at ``results_path`` goes."""
     p = Path(results_path)
     return p.with_name(p.stem + RELEASE_SUFFIX)
 
 
-def run_files(results_path: str | os.PathLike) -> tuple[Path, Path, Path]:
+def run_files(results_path: str | os.PathLike[str]) -> tuple[Path, Path, Path]:
     """Every file a run writes: its operator report at ``results_path``, and beside it its
     release and (with ``eval-every``) its learning curve."""
     p = Path(results_path)
@@ -100,7 +100,7 @@ def release_document(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_outputs(report: Mapping[str, Any],
-                  path: str | os.PathLike) -> tuple[Path, Path]:
+                  path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write the operator report to ``path`` and the release beside it, atomically; returns
     (operator report, release) as absolute paths. A run with ``eval-every`` also gets its
     learning curve beside the operator report (``fedpriv.learning_curve``: exact, operator

@@ -174,15 +174,15 @@ def _coerce(param: Param, value: Any) -> Any:
 
 # ----- checks used by many declarations ---------------------------------------------------------
 def positive(x: Any) -> bool:
-    return x > 0
+    return bool(x > 0)
 
 
 def non_negative(x: Any) -> bool:
-    return x >= 0
+    return bool(x >= 0)
 
 
 def unit_open(x: Any) -> bool:
-    return 0 < x < 1
+    return bool(0 < x < 1)
 
 
 def finite(x: Any) -> bool:

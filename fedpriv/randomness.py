@@ -12,16 +12,21 @@ Two kinds of draws exist in a run:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
+
+from fedpriv.config import RunConfig
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 _GROUP_STREAM = 0x6A17
 
+# what the hash mixes: one uint64 key, or an array of them
+_Bits = TypeVar("_Bits", np.ndarray, np.uint64)
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+
+def _splitmix64(x: _Bits) -> _Bits:
     x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
     x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
     x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
@@ -63,7 +68,7 @@ def server_generator(seed: int, release_index: int) -> np.random.Generator:
     return np.random.default_rng([seed, 0x5E7, release_index])
 
 
-def noise_generator(config: Any, release_index: int) -> np.random.Generator:
+def noise_generator(config: RunConfig, release_index: int) -> np.random.Generator:
     """The generator of one release's privacy noise.
 
     ``secure-noise``: seeded from OS entropy (``SeedSequence()`` reads ``secrets``), so nobody

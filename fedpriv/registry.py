@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import warnings
 from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from fedpriv.algorithms.base import Algorithm
 
 ENTRY_POINT_GROUP = "fedpriv.algorithms"
+A = TypeVar("A", bound=type[Algorithm[Any]])
 
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, type[Algorithm[Any]]] = {}
 _FAILED: dict[str, str] = {}  # entry points that could not be loaded: name -> why
 _loaded = {"builtins": False, "entry_points": False}
 
 
-def register(cls: type) -> type:
+def register(cls: A) -> A:
     """Register ``cls`` under ``cls.name`` (usable as a class decorator)."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
@@ -28,10 +32,10 @@ def register(cls: type) -> type:
     existing = _REGISTRY.get(name)
     if existing is not None and existing is not cls:
         raise ValueError(f"algorithm {name!r} is already registered by {existing!r}")
-    declared = getattr(cls, "declared_params", None)
-    if declared is None:
-        raise TypeError(f"{cls!r} is not a fedpriv Algorithm (no declared_params)")
-    params = declared()  # a key declared twice with different meanings fails here
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise TypeError(f"{cls!r} is not a fedpriv Algorithm (subclass "
+                        "fedpriv.algorithms.base.Algorithm)")
+    params = cls.declared_params()  # a key declared twice with different meanings fails here
     for key, param in params.items():
         if param.resumable:
             raise ValueError(f"algorithm {name!r}: {key} is marked resumable, but only the core "
@@ -79,7 +83,7 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_algorithm(name: str) -> type:
+def get_algorithm(name: str) -> type[Algorithm[Any]]:
     _load_builtins()
     if name not in _REGISTRY:
         _load_entry_points()

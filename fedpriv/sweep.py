@@ -45,12 +45,15 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpriv.config import ConfigError, RunConfig, default_mapping
 from fedpriv.configure import algorithm_params, declared_keys, parse_config, select_keys
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import InfeasiblePlanError
+
+if TYPE_CHECKING:
+    from fedpriv.launcher import FlowerSession
 
 METRIC = "population_mse"  # the default metric
 _SWEEP_KEYS = ("name", "title", "subtitle", "epsilons", "seeds", "metric", "x", "x-values",
@@ -96,7 +99,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def load_sweep(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> SweepSpec:
+def load_sweep(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> SweepSpec:
     """Parse and validate a sweep file: every run's config and privacy plan, before any run."""
     from fedpriv.registry import get_algorithm
     from fedpriv.server import check_plan
@@ -268,7 +271,7 @@ def _config(where: str, values: dict[str, Any]) -> RunConfig:
 
 
 # ----- running -----------------------------------------------------------------------------
-def _run_one(values: dict[str, Any], path: str) -> dict:
+def _run_one(values: dict[str, Any], path: str) -> dict[str, Any]:
     """Worker: one in-process run, its operator report written atomically to ``path`` and its
     release beside it (as a Flower run's ServerApp writes them)."""
     from fedpriv.engine import run_in_process
@@ -279,22 +282,24 @@ def _run_one(values: dict[str, Any], path: str) -> dict:
     return results
 
 
-def _run_flower(values: dict[str, Any], path: str, session: Any = None) -> dict:
+def _run_flower(values: dict[str, Any], path: str,
+                session: FlowerSession | None = None) -> dict[str, Any]:
     from fedpriv.launcher import run_flower
 
     config = parse_config(values)
     if run_flower(config, values, Path(path), keep_superlink=False, quiet=True,
                   session=session) != 0:
         raise RuntimeError(f"the Flower run for {path} failed")
-    return json.loads(Path(path).read_text())
+    results: dict[str, Any] = json.loads(Path(path).read_text())
+    return results
 
 
-def _reusable(path: Path, values: dict[str, Any]) -> dict | None:
+def _reusable(path: Path, values: dict[str, Any]) -> dict[str, Any] | None:
     """A finished run from an earlier invocation with exactly this config, if any."""
     if not path.is_file():
         return None
     try:
-        results = json.loads(path.read_text())
+        results: dict[str, Any] = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     wanted = parse_config(values).to_mapping()
@@ -304,12 +309,12 @@ def _reusable(path: Path, values: dict[str, Any]) -> dict | None:
 
 
 def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inprocess",
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every run of the sweep (reusing finished ones); returns the table rows."""
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[Run, dict] = {}
-    todo = []
+    results: dict[Run, dict[str, Any]] = {}
+    todo: list[tuple[Run, Path]] = []
     for run in spec.runs:
         path = runs_dir / f"{run.slug}.json"
         previous = _reusable(path, run.values)
@@ -326,7 +331,7 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
     started = time.perf_counter()
     done = len(results)
 
-    def report(run: Run, res: dict) -> None:
+    def report(run: Run, res: dict[str, Any]) -> None:
         nonlocal done
         done += 1
         elapsed = time.perf_counter() - started
@@ -392,6 +397,9 @@ def _clock(seconds: float) -> str:
 
 
 # ----- the table ---------------------------------------------------------------------------
+_Group = tuple[str, float | None, float | None]  # a table row: (series, epsilon, x)
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     n = len(values)
     mean = sum(values) / n
@@ -399,17 +407,17 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
 
 
-def summarize(spec: SweepSpec, results: dict[Run, dict]) -> list[dict]:
+def summarize(spec: SweepSpec, results: dict[Run, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (series, epsilon[, x]): the metric's mean, sample std, min and max over seeds,
     then the mean of every other metric all the seeds report."""
     metric = spec.metric
-    rows = []
+    rows: list[dict[str, Any]] = []
     order = {s.get("label", s["algorithm"]): i for i, s in enumerate(spec.series)}
-    groups: dict[tuple[str, float | None, float | None], list[tuple[Run, dict]]] = {}
+    groups: dict[_Group, list[tuple[Run, dict[str, Any]]]] = {}
     for run, res in results.items():
         groups.setdefault((run.series, run.epsilon, run.x), []).append((run, res))
 
-    def key(item):
+    def key(item: tuple[_Group, list[tuple[Run, dict[str, Any]]]]) -> tuple[int, float, float]:
         (series, eps, x), _ = item
         return (order[series], -1.0 if eps is None else eps, -1.0 if x is None else x)
 
@@ -436,7 +444,7 @@ def summarize(spec: SweepSpec, results: dict[Run, dict]) -> list[dict]:
     return rows
 
 
-def write_table(rows: list[dict], out: Path) -> tuple[Path, Path]:
+def write_table(rows: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out / "table.csv", out / "table.json"
     fields = list(dict.fromkeys(k for row in rows for k in row))
@@ -455,7 +463,7 @@ def metric_label(metric: str) -> str:
                 metric, metric.replace("_", " "))
 
 
-def markdown_table(rows: list[dict], spec: SweepSpec | None = None) -> str:
+def markdown_table(rows: list[dict[str, Any]], spec: SweepSpec | None = None) -> str:
     metric = spec.metric if spec else METRIC
     x = spec.x if spec and spec.x != "epsilon" else None
     head = "| series | epsilon |" + (f" {x} |" if x else "")

@@ -9,6 +9,7 @@ import json
 import math
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from fedpriv.configure import parse_config
 from fedpriv.sweep import SweepSpec, metric_label
@@ -26,7 +27,7 @@ def _subtitle(spec: SweepSpec) -> str:
     return ", ".join(parts + [f"$\\delta$={b['delta']:g}"])
 
 
-def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
+def plot(spec: SweepSpec, rows: list[dict[str, Any]], path: Path) -> Path:
     """The metric against epsilon (epsilon-free series as horizontal lines) or against the x key
     (one curve per series and epsilon: colour per series, line style per epsilon); log scales;
     shaded bands span min to max over seeds."""
@@ -107,7 +108,11 @@ def plot(spec: SweepSpec, rows: list[dict], path: Path) -> Path:
 
 
 # ----- the learning curves of a sweep (runs with eval-every) -------------------------------
-def curve_table(spec: SweepSpec, runs_dir: Path) -> dict[tuple[str, float | None], dict]:
+# {(series, epsilon): {round: [the metric of each seed]}}; round None: a run without rounds
+CurveTable = dict[tuple[str, float | None], dict[int | None, list[float]]]
+
+
+def curve_table(spec: SweepSpec, runs_dir: Path) -> CurveTable:
     """{(series, epsilon): {round: [the metric of each seed]}} from the runs' operator reports
     (``fedpriv.learning_curve.curve_points``); a series whose runs have no eval steps (local
     only) maps to {None: [each seed's final metric]}. Empty when no run has eval steps, when
@@ -116,7 +121,7 @@ def curve_table(spec: SweepSpec, runs_dir: Path) -> dict[tuple[str, float | None
 
     if spec.x != "epsilon" or spec.metric not in CURVE_METRICS:
         return {}
-    table: dict[tuple[str, float | None], dict] = {}
+    table: CurveTable = {}
     for run in spec.runs:
         path = runs_dir / f"{run.slug}.json"
         if not path.is_file():
@@ -162,7 +167,7 @@ def plot_curves(spec: SweepSpec, runs_dir: Path, path: Path) -> Path | None:
                 ax.axhline(sum(cell[None]) / len(cell[None]), color=color, linestyle=":",
                            linewidth=1.4, label=name)
                 continue
-            xs = sorted(cell)
+            xs = sorted(r for r in cell if r is not None)  # (None is not in it here)
             if not xs:
                 continue
             ax.plot(xs, [sum(cell[x]) / len(cell[x]) for x in xs], color=color,

@@ -177,10 +177,10 @@ def test_commands_and_launchers_stay_below_the_command_line(name):
     if name.startswith("fedpriv.deploy") or name == "fedpriv.config_files":
         assert not _mentions(names, "flwr")  # builds commands and files; runs flwr as processes
         assert not _mentions(names, "fedpriv.launcher")
-    if name == "fedpriv.config_files":  # below every command: of fedpriv, only the config
+    if name == "fedpriv.config_files":  # below every command: of fedpriv, only the keys
         assert {n for n in names if _mentions({n}, "fedpriv")} <= {
             "fedpriv.config", "fedpriv.config.ConfigError", "fedpriv.config.default_mapping",
-            "fedpriv.config.PLUGIN_CONFIG", "fedpriv.config.select_keys"}
+            "fedpriv.config.PLUGIN_CONFIG", "fedpriv.configure", "fedpriv.configure.select_keys"}
 
 
 def test_the_core_imports_no_flower_package():
@@ -201,14 +201,81 @@ def test_the_deploy_package_loads_no_flower():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_algorithm_modules_import_neither_the_registry_nor_the_config():
-    """Algorithms are listed by the catalogue and read keys they declare: importing the registry
-    or the run config from an algorithm module is what made the old circle."""
+KEYS_LAYER = ("fedpriv.params", "fedpriv.config", "fedpriv.algorithms.shared_params",
+              *(f"fedpriv.algorithms.{family}.params"
+                for family in ("personalization", "meta", "exp_mech", "deep")))
+"""The keys layer: the key declarations and the typed config classes (core and families)."""
+
+BELOW_THE_RUNTIME = ("fedpriv.algorithms", "fedpriv.data", "fedpriv.privacy", "fedpriv.randomness",
+                     "fedpriv.params", "fedpriv.config")
+"""What algorithms are made of; every other module of PACKAGES is the runtime (the registry and
+parsing, the server, the nodes, the engines, the commands, the Flower apps)."""
+
+
+def _reached(name: str) -> set[str]:
+    """The project modules ``name`` imports, directly or through others."""
+    graph, seen, todo = import_graph(), set(), [name]
+    while todo:
+        for child in graph[todo.pop()]:
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def _runtime(name: str) -> bool:
+    return name != "fedpriv" and not any(name == b or name.startswith(b + ".")
+                                         for b in BELOW_THE_RUNTIME)
+
+
+def test_the_keys_layer_imports_nothing_above_it():
+    """The core config imports only the key declarations; a family's keys import only other
+    keys and the data layer (the choices a key allows: datasets, partitions, task losses) with
+    its seeded randomness: never an algorithm, the registry, the evaluation, the faults or any
+    other part of the runtime."""
+    assert all(k in modules() for k in KEYS_LAYER)
+    assert _reached("fedpriv.params") == set()
+    assert _reached("fedpriv.config") == {"fedpriv.params"}
+    for name in KEYS_LAYER:
+        above = sorted(m for m in _reached(name) if m not in KEYS_LAYER and m != "fedpriv.data"
+                       and not m.startswith("fedpriv.data.") and m != "fedpriv.randomness")
+        assert not above, f"{name} imports {above}"
+
+
+def test_no_algorithm_module_imports_the_runtime():
+    """Algorithms are listed by the catalogue and receive their typed config: no module of
+    fedpriv/algorithms/ imports the registry, parsing, the server, the nodes or any other part
+    of the runtime, directly or through another module."""
     for name in import_graph():
-        if name.startswith("fedpriv.algorithms.") and name != "fedpriv.algorithms.catalogue":
-            imported = _imports(name)
-            assert not _mentions(imported, "fedpriv.registry"), name
-            assert not _mentions(imported, "fedpriv.config"), name
+        if name.startswith("fedpriv.algorithms"):
+            runtime = sorted(m for m in _reached(name) if _runtime(m))
+            assert not runtime, f"{name} reaches {runtime}"
+
+
+def test_config_classes_have_no_getattr_and_no_config_is_untyped():
+    """Every key is a declared field a type checker follows: no config class answers unknown
+    attributes (``__getattr__``), and no function takes ``config: Any``."""
+    import fedpriv.algorithms.catalogue  # noqa: F401  (every built-in config class)
+    from fedpriv.config import RunConfig
+
+    classes, todo = [], [RunConfig]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    assert len(classes) > 20
+    for cls in classes:
+        for hook in ("__getattr__", "__getattribute__"):
+            assert hook not in cls.__dict__, f"{cls.__qualname__} defines {hook}"
+    untyped = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                untyped += [f"{name}.{node.name}({a.arg})" for a in args
+                            if "config" in a.arg and (a.annotation is None or
+                                                      ast.unparse(a.annotation) == "Any")]
+    assert not untyped, untyped
 
 
 def test_family_file_names_say_math_or_algorithm():

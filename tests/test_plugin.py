@@ -81,3 +81,67 @@ def test_the_plugin_runs_through_the_flower_simulation(plugin_site, tmp_path, fl
     assert b["privacy"]["ledger"] == a["privacy"]["ledger"]
     for key, value in a["metrics"].items():
         assert b["metrics"][key] == pytest.approx(value, rel=1e-9)
+
+
+# ----- the contract before typed keys, and what moved ------------------------------------------
+def test_a_plugin_declaring_paramgroups_gets_a_real_config_class(monkeypatch):
+    """A plug-in written before typed keys (``components = (ParamGroup, ...)``, as the toy
+    package here) keeps working: its config class is made from its groups at run time, a
+    dataclass extending its parent algorithm's config, its keys real fields (no __getattr__)."""
+    import dataclasses
+
+    from fedpriv.algorithms.personalization.params import FedRepConfig
+    from fedpriv.algorithms.personalization.private_fedrep import PrivateFedRep
+    from fedpriv.configure import parse_config
+    from fedpriv import registry
+    from fedpriv.params import Param, ParamGroup, positive
+
+    registry.available()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # only for this test
+    extra = ParamGroup("old style", (Param("old-style-scale", float, 2.0, "a key", positive,
+                                           "a number > 0"),))
+
+    class OldStyle(PrivateFedRep):
+        name = "old-style-fedrep"
+        components = (*PrivateFedRep.components, extra)
+
+    registry.register(OldStyle)
+    config = parse_config({"algorithm": "old-style-fedrep", "old-style-scale": 3.0,
+                           "clip-norm": 0.25}, strict=True)
+    assert isinstance(config, FedRepConfig) and dataclasses.is_dataclass(config)
+    assert config.old_style_scale == 3.0 and config.clip_norm == 0.25  # type: ignore[attr-defined]
+    assert "__getattr__" not in type(config).__dict__
+    assert list(OldStyle.declared_params()) == [*PrivateFedRep.declared_params(),
+                                                "old-style-scale"]
+
+
+def test_declaring_keys_both_ways_is_refused_naming_the_change():
+    from fedpriv.algorithms.base import Algorithm
+    from fedpriv.algorithms.personalization.params import ProblemKeys
+    from fedpriv.params import ParamGroup
+
+    with pytest.raises(TypeError, match="set config_type .typed keys. or, as plug-ins did "
+                                        "before typed keys, components"):
+        type("Both", (Algorithm,), {"config_type": ProblemKeys,
+                                    "components": (ParamGroup("g", ()),)})
+
+
+def test_what_moved_fails_with_a_message_naming_its_new_home():
+    import warnings
+
+    from fedpriv import cohorts
+    from fedpriv.config import RunConfig
+
+    with pytest.raises(AttributeError, match="fedpriv.configure.parse_config"):
+        RunConfig.from_mapping({"algorithm": "private-fedrep"})
+    with pytest.raises(AttributeError, match="fedpriv.configure.config_defaults"):
+        RunConfig().defaults()
+    with pytest.raises(AttributeError, match=r"block_cache\(\)"):
+        cohorts.CACHE  # noqa: B018
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from fedpriv.cohorts import node_step
+    from fedpriv.nodes import node_step as moved
+
+    assert node_step is moved
+    assert any("moved to fedpriv.nodes.node_step" in str(w.message) for w in caught)

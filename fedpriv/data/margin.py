@@ -14,7 +14,7 @@ of (seed, user id) from counter-based streams.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +23,24 @@ from fedpriv.data.synthetic import SyntheticProblem, ground_truth_embedding
 
 _P_V, _P_X, _P_TEST = 0x3A0, 0x3A1, 0x3A2
 _DRAWS = 8  # candidate draws per point for the rejection step
+
+
+class MarginKeys(Protocol):
+    """The run-config keys a margin problem is made of (``jl-exp``'s config has them; the data
+    layer reads them without importing the algorithms)."""
+
+    @property
+    def num_users(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def samples_per_user(self) -> int: ...
+    @property
+    def margin(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +53,7 @@ class MarginProblem:
     seed: int = 0
 
     @classmethod
-    def of(cls, config: Any) -> MarginProblem:
+    def of(cls, config: MarginKeys) -> MarginProblem:
         return cls(config.num_users, config.dim, config.rank, config.samples_per_user,
                    config.margin, config.seed)
 

@@ -84,7 +84,8 @@ def counter_normals(seed: int, purpose: int, stream: int, ids: np.ndarray,
     """Standard normals (n, count) by Box-Muller from counter-based uniforms."""
     u = user_uniforms(seed, purpose, stream, ids, 2 * count)
     radius = np.sqrt(-2.0 * np.log1p(-u[:, :count]))  # 1 - u in (0, 1]: finite
-    return radius * np.cos(2.0 * np.pi * u[:, count:])
+    normals: np.ndarray = radius * np.cos(2.0 * np.pi * u[:, count:])
+    return normals
 
 
 def unit_ball_points(seed: int, purpose: int, stream: int, ids: np.ndarray, m: int,
@@ -93,7 +94,8 @@ def unit_ball_points(seed: int, purpose: int, stream: int, ids: np.ndarray, m: i
     g = counter_normals(seed, purpose, stream, ids, m * d).reshape(len(ids), m, d)
     r = user_uniforms(seed, purpose + 0x100, stream, ids, m) ** (1.0 / d)
     norms = np.linalg.norm(g, axis=2, keepdims=True)
-    return g / np.maximum(norms, 1e-300) * r[:, :, None]
+    points: np.ndarray = g / np.maximum(norms, 1e-300) * r[:, :, None]
+    return points
 
 
 def generate_tasks(problem: MetaProblem, task_ids: np.ndarray, fresh: bool = False,

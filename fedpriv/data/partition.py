@@ -143,8 +143,8 @@ def _skewed_rows(labels: np.ndarray, scheme: str, num_users: int, seed: int,
             pieces = [[] for _ in range(num_users)]
             for rows in by_class:
                 shares = np.cumsum(rng.dirichlet(np.full(num_users, alpha))) * len(rows)
-                for user, chunk in enumerate(np.split(rows, shares.astype(int)[:-1])):
-                    pieces[user].append(chunk)
+                for i, chunk in enumerate(np.split(rows, shares.astype(int)[:-1])):
+                    pieces[i].append(chunk)
             if min(sum(len(c) for c in p) for p in pieces) >= _DIRICHLET_MIN_ROWS:
                 break
             if attempt == 10:
@@ -154,9 +154,9 @@ def _skewed_rows(labels: np.ndarray, scheme: str, num_users: int, seed: int,
                     "users")
     users = []
     for chunks in pieces:
-        rows = list(np.concatenate(chunks)) if chunks else []
-        rng.shuffle(rows)  # a list, as flwr-datasets shuffles it
-        users.append(np.asarray(rows, dtype=np.int64))
+        mine = list(np.concatenate(chunks)) if chunks else []
+        rng.shuffle(mine)  # a list, as flwr-datasets shuffles it
+        users.append(np.asarray(mine, dtype=np.int64))
     return users
 
 
@@ -208,6 +208,8 @@ def user_keys(ids: np.ndarray) -> np.ndarray:
 
 def _natural(source: Source) -> Partition:
     ids = natural_ids(source)
+    # natural_ids refuses a source without user columns
+    assert source.user_train is not None and source.user_test is not None
 
     def rows(column: np.ndarray) -> Rows:
         order = np.argsort(column, kind="stable")

@@ -79,7 +79,8 @@ class Source:
         x = self.x_train if split == "train" else self.x_test
         held = self.train_rows if split == "train" else self.test_rows
         if held is None:
-            return x[rows]
+            picked: np.ndarray = x[rows]
+            return picked
         local = np.minimum(np.searchsorted(held, rows), max(len(held) - 1, 0))
         if len(held) == 0 or not np.array_equal(held[local], rows):
             raise DatasetError(f"dataset: {self.name}: rows of the {split} split were asked "
@@ -125,8 +126,9 @@ def _digits() -> Source:
     return Source("digits", x[train, None], y[train], x[test, None], y[test], 10)
 
 
-_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4",
-              0x0E: ">f8"}
+_IDX_TYPES: dict[int, np.dtype] = {
+    code: np.dtype(kind) for code, kind in ((0x08, np.uint8), (0x09, np.int8), (0x0B, ">i2"),
+                                           (0x0C, ">i4"), (0x0D, ">f4"), (0x0E, ">f8"))}
 
 
 def _idx_header(path: Path, raw: bytes) -> tuple[np.dtype, tuple[int, ...]]:
@@ -137,7 +139,7 @@ def _idx_header(path: Path, raw: bytes) -> tuple[np.dtype, tuple[int, ...]]:
     ndim = raw[3]
     if len(raw) < 4 + 4 * ndim:
         raise DatasetError(f"{path}: truncated IDX header")
-    return np.dtype(_IDX_TYPES[raw[2]]), tuple(
+    return _IDX_TYPES[raw[2]], tuple(
         int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
 
 
@@ -174,19 +176,23 @@ def _idx_file(directory: Path, stem: str) -> Path:
 
 def _fashion_mnist(directory: Path, features: bool = True) -> Source:
     labels = ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte")
-    arrays = {stem: read_idx(_idx_file(directory, stem)) if features or stem in labels
-              else read_idx_shape(_idx_file(directory, stem)) for stem in (
-                  "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                  "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+    arrays: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}  # the header's shape only: no rows
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        if features or stem in labels:
+            arrays[stem] = read_idx(_idx_file(directory, stem))
+        else:
+            shapes[stem] = read_idx_shape(_idx_file(directory, stem))
 
-    def images(a: np.ndarray | tuple[int, ...]) -> np.ndarray:
-        if isinstance(a, tuple):  # the header's shape only: no rows
-            return np.zeros((0, 1, *a[1:]), dtype=np.float32)
-        return ((a.astype(np.float32) / 255.0 - 0.2860) / 0.3530)[:, None]
+    def images(stem: str) -> np.ndarray:
+        if stem in shapes:
+            return np.zeros((0, 1, *shapes[stem][1:]), dtype=np.float32)
+        return ((arrays[stem].astype(np.float32) / 255.0 - 0.2860) / 0.3530)[:, None]
 
-    return Source("fashion-mnist", images(arrays["train-images-idx3-ubyte"]),
+    return Source("fashion-mnist", images("train-images-idx3-ubyte"),
                   arrays["train-labels-idx1-ubyte"].astype(np.int64),
-                  images(arrays["t10k-images-idx3-ubyte"]),
+                  images("t10k-images-idx3-ubyte"),
                   arrays["t10k-labels-idx1-ubyte"].astype(np.int64), 10)
 
 

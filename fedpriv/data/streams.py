@@ -74,8 +74,9 @@ def seed_sequence_states(key: Sequence[int], user_ids: np.ndarray) -> np.ndarray
         return value ^ (value >> _XSHIFT)
 
     def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        result = np.uint32(_MIX_MULT_L) * x - np.uint32(_MIX_MULT_R) * y
-        return result ^ (result >> _XSHIFT)
+        result: np.ndarray = np.uint32(_MIX_MULT_L) * x - np.uint32(_MIX_MULT_R) * y
+        mixed: np.ndarray = result ^ (result >> _XSHIFT)
+        return mixed
 
     with np.errstate(over="ignore"):
         zero = np.zeros(n, dtype=np.uint32)
@@ -153,6 +154,8 @@ class StreamWriter:
         try:
             address = self.bit_generator.ctypes.state_address
             pointer = ctypes.c_void_p.from_address(address).value
+            if pointer is None:  # a null state pointer: not the layout this expects
+                return
             words = np.ctypeslib.as_array((ctypes.c_uint64 * 4).from_address(pointer))
             flags = np.ctypeslib.as_array((ctypes.c_uint32 * 2).from_address(address + 8))
         except (AttributeError, TypeError, ValueError):  # not the layout this expects
@@ -173,7 +176,7 @@ class StreamWriter:
     def start(self, state: np.ndarray) -> np.random.Generator:
         """The generator, at the start of the stream whose initial state is ``state`` (a row
         of ``pcg64_states``)."""
-        if self._words is not None:
+        if self._words is not None and self._flags is not None:  # set together
             self._words[:] = state
             self._flags[:] = 0  # no buffered 32-bit half-draw
         else:

@@ -193,4 +193,5 @@ def generate_users(
 
 def true_user_models(problem: SyntheticProblem, local_vectors: np.ndarray) -> np.ndarray:
     """``w*_i = U* v*_i`` for a batch of users, shape (n, d)."""
-    return local_vectors @ ground_truth_embedding(problem).T
+    models: np.ndarray = local_vectors @ ground_truth_embedding(problem).T
+    return models

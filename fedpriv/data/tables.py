@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -67,7 +68,8 @@ def _check_file(path: Path, fmt: str) -> None:
                          f"table with columns {USER}, {SPLIT}, {LABEL} and numeric features)")
 
 
-def _pyarrow():
+def _pyarrow() -> Any:
+    """``pyarrow.parquet`` (typed Any: pyarrow ships no type information)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as err:  # pragma: no cover - pyarrow comes with the test extra
@@ -134,7 +136,7 @@ def table_columns(path: Path, fmt: str) -> TableColumns:
     return TableColumns(path, fmt, _user_ids(users), split_array, _labels(labels), features)
 
 
-def _labels(values: list) -> np.ndarray:
+def _labels(values: list[Any]) -> np.ndarray:
     """Labels as int64, -1 for a cell that is not an integer (``check_table`` refuses such a
     file before a run; a node that meets one isolates that cell's user)."""
     out = np.full(len(values), -1, dtype=np.int64)
@@ -293,7 +295,15 @@ def _checked_features(path: Path, fmt: str, _size: int, _mtime_ns: int) -> None:
                                  "(magnitude below 3.4e38)")
 
 
-def _records(reader) -> Iterator[tuple[int, list[str]]]:
+class _CsvReader(Protocol):
+    """What ``_records`` uses of a ``csv.reader``."""
+
+    line_num: int
+
+    def __iter__(self) -> Iterator[list[str]]: ...
+
+
+def _records(reader: _CsvReader) -> Iterator[tuple[int, list[str]]]:
     """(the file line a record starts on, the record) after the header: a quoted field may hold
     line breaks, so records and lines differ."""
     start = reader.line_num + 1

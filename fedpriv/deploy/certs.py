@@ -14,7 +14,7 @@ import ipaddress
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpriv.deploy.commands import (
     CA_CERT,
@@ -26,8 +26,13 @@ from fedpriv.deploy.commands import (
     node_role,
 )
 
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
-def generate_certs(directory: str | os.PathLike, num_nodes: int,
+
+def generate_certs(directory: str | os.PathLike[str], num_nodes: int,
                    hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 365,
                    force: bool = False, log: Callable[[str], Any] = print) -> Path:
     """Create (or complete) a certificate folder: a CA, the SuperLink's server certificate
@@ -44,6 +49,7 @@ def generate_certs(directory: str | os.PathLike, num_nodes: int,
     root = Path(directory).expanduser().resolve()
     ca_dir = root / "ca"
     ca_cert_path, ca_key_path = ca_dir / CA_CERT, ca_dir / "ca.key"
+    ca_key: PrivateKeyTypes
     if force or not (ca_cert_path.is_file() and ca_key_path.is_file()):
         ca_key, ca_cert = _new_ca(days)
         _write(ca_key_path, _private_pem(ca_key), 0o600)
@@ -107,14 +113,14 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     os.chmod(path, mode)  # whatever the umask
 
 
-def _private_pem(key: Any) -> bytes:
+def _private_pem(key: PrivateKeyTypes) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
-def _new_ca(days: int) -> tuple[Any, Any]:
+def _new_ca(days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -142,15 +148,18 @@ def _new_ca(days: int) -> tuple[Any, Any]:
     return key, cert
 
 
-def _new_server_cert(ca_key: Any, ca_cert: Any, hosts: Sequence[str],
-                     days: int) -> tuple[Any, Any]:
+def _new_server_cert(ca_key: PrivateKeyTypes, ca_cert: x509.Certificate, hosts: Sequence[str],
+                     days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     if not hosts:
         raise ValueError("the SuperLink certificate needs at least one host name or address")
+    if not isinstance(ca_key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey, dsa.DSAPrivateKey,
+                               ed25519.Ed25519PrivateKey, ed448.Ed448PrivateKey)):
+        raise TypeError(f"the CA key ({type(ca_key).__name__}) cannot sign certificates")
     names: list[x509.GeneralName] = []
     for host in hosts:
         try:

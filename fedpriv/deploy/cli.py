@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from fedpriv.config_files import (
     app_config_keys,
@@ -57,11 +56,14 @@ from fedpriv.executables import tool_path
 from fedpriv.outputs import release_path
 
 
-def _run(argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    """Run a Flower command, found beside this interpreter first (``launcher.tool_path``)."""
+def _run(argv: Sequence[str], *, capture: bool = False,
+         timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a Flower command, found beside this interpreter first (``launcher.tool_path``);
+    ``capture``: keep its output (text) instead of passing it through."""
     print("fedpriv: $ " + shlex.join(argv), flush=True)
-    env = tool_path(dict(kwargs.pop("env", None) or os.environ))
-    return subprocess.run(list(argv), check=False, env=env, **kwargs)
+    env = tool_path(dict(os.environ))
+    return subprocess.run(list(argv), check=False, env=env, capture_output=capture, text=True,
+                          timeout=timeout)
 
 
 def _tls(args: argparse.Namespace) -> str | None:
@@ -96,7 +98,7 @@ def cmd_register(args: argparse.Namespace) -> int:
     write_connection(connection_toml(args.superlink, ca, args.connection))
     for key in args.public_keys:
         proc = _run(register_argv(str(Path(key).expanduser().resolve()), args.connection),
-                    capture_output=True, text=True)
+                    capture=True)
         output = proc.stdout + proc.stderr
         print(output.strip(), flush=True)
         if proc.returncode != 0:
@@ -223,7 +225,8 @@ def _reporting_errors(func: Callable[[argparse.Namespace], int]
     return run
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(
+        subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Install ``deploy`` and its sub-commands into ``subparsers`` (the ``fedpriv`` parser's)."""
     parser = subparsers.add_parser(
         "deploy", help="a real deployment: certificates, compose file, process commands",

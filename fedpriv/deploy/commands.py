@@ -286,6 +286,7 @@ def check_health(address: str, root_certificates: str | None, timeout: float = 3
     try:
         with urllib.request.urlopen(f"{scheme}://{address}/health", timeout=timeout,
                                     context=context) as response:
-            return 200 <= response.status < 300
+            status: int = response.status
+            return 200 <= status < 300
     except (OSError, http.client.HTTPException):  # refused, TLS failure, not HTTP(S), ...
         return False

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -163,14 +164,14 @@ def epsilon_of(
 
 
 @lru_cache(maxsize=4096)
-def _epsilon_cached(items: tuple, delta: float, kind: str, relation: str) -> float:
+def _epsilon_cached(items: tuple[tuple[EventKey, int], ...], delta: float, kind: str, relation: str) -> float:
     counts = dict(items)
     acc = make_accountant(kind, relation, sampled=any(q < 1.0 for _, q in counts))
     acc.compose(composed_event(counts, relation))
     return float(acc.get_epsilon(delta))
 
 
-def _pure_epsilon(items: tuple) -> float:
+def _pure_epsilon(items: tuple[tuple[float, int], ...]) -> float:
     """Epsilon at delta = 0 of composed pure-DP releases: exactly their sum (pure DP composes
     additively at delta = 0, and the sum is attained by randomized response, so it is tight).
     dp-accounting's PLD of pure DP agrees up to its grid (tested); it is not used here because
@@ -250,15 +251,15 @@ def calibrate_gaussian_plan(
                                       "multiplier > 0), count >= 1 and a sampling rate in "
                                       "(0, 1]")
     fixed = [r for r in releases if r.multiplier is not None]
-    if fixed and plan_epsilon(fixed, [r.multiplier for r in fixed], delta, accountant,
-                              relation) >= epsilon:
+    fixed_z = [r.multiplier for r in releases if r.multiplier is not None]  # fixed's multipliers
+    if fixed and plan_epsilon(fixed, fixed_z, delta, accountant, relation) >= epsilon:
         names = ", ".join(r.name for r in fixed)
         raise InfeasiblePlanError(f"the releases with fixed noise ({names}) alone spend the "
                                   f"target epsilon={epsilon}")
     if len(fixed) == len(releases):
-        return [float(r.multiplier) for r in releases]  # type: ignore[arg-type]
+        return [float(z) for z in fixed_z]  # every release is fixed: fixed_z is in their order
     free = [r for r in releases if r.multiplier is None]
-    fixed_mu2 = sum(r.count / r.multiplier**2 for r in fixed)  # type: ignore[operator]
+    fixed_mu2 = sum(r.count / z**2 for r, z in zip(fixed, fixed_z, strict=True))
 
     def multipliers(scale: float) -> list[float]:
         return [r.multiplier if r.multiplier is not None else scale / math.sqrt(r.weight)
@@ -272,7 +273,7 @@ def calibrate_gaussian_plan(
         raise InfeasiblePlanError(f"could not calibrate a plan within epsilon={epsilon}")
 
     # Parametrize by mu = 1/scale so epsilon increases with the parameter.
-    def event(mu: float):
+    def event(mu: float) -> dp_accounting.DpEvent:
         return composed_event(plan_counts(releases, multipliers(1.0 / max(mu, 1e-12))),
                               relation)
 
@@ -308,6 +309,7 @@ def calibrate_gaussian_plan(
             f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
             f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
     mu_max = 1.0 / (_MIN_MULTIPLIER * math.sqrt(max(r.weight for r in free)))
+    hi: float | None
     lo, hi = _MU_FLOOR, min(0.5 / math.sqrt(sum(r.count * r.weight for r in free)), mu_max)
     for _ in range(_MAX_DOUBLINGS):
         if spent(hi) >= epsilon:
@@ -399,13 +401,13 @@ class Accountant:
         self._groups: dict[int, Counter[EventKey]] = {}
         self._spent: dict[int | None, float] = {None: 0.0}
         self._stale: set[int | None] = set()
-        self.ledger: list[dict] = []
+        self.ledger: list[dict[str, Any]] = []
 
     def record(
         self,
         name: str,
         noise_multiplier: float,
-        parts: Sequence[dict] = (),
+        parts: Sequence[Mapping[str, Any]] = (),
         group: int | None = None,
         *,
         groups: Sequence[int] | None = None,
@@ -435,7 +437,7 @@ class Accountant:
                 self._groups.setdefault(int(g), Counter())[key] += 1
                 self._stale.add(int(g))
         spent = self.epsilon() if evaluate else None
-        entry: dict = {
+        entry: dict[str, Any] = {
             "release": name,
             "mechanism": "gaussian" if sampling_rate >= 1 else "poisson-sampled gaussian",
             "noise_multiplier": noise_multiplier,
@@ -453,7 +455,8 @@ class Accountant:
         self.ledger.append(entry)
         return spent
 
-    def record_pure(self, name: str, epsilon: float, details: dict | None = None) -> float:
+    def record_pure(self, name: str, epsilon: float,
+                    details: Mapping[str, Any] | None = None) -> float:
         """Compose one pure epsilon-DP release that every user takes part in (the exponential
         mechanism); returns the epsilon spent so far (at delta = 0)."""
         if not epsilon > 0:

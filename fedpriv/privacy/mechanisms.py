@@ -22,7 +22,7 @@ def norms(values: np.ndarray) -> np.ndarray:
     flat = values.reshape(values.shape[0], int(np.prod(values.shape[1:])))
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         squares = np.einsum("ij,ij->i", flat, flat)
-        out = np.sqrt(squares)
+        out: np.ndarray = np.sqrt(squares)
         redo = ~((squares >= _SAFE_LOW) & (squares <= _SAFE_HIGH))
         if redo.any():
             rows = flat[redo]
@@ -71,7 +71,9 @@ def clip_by_norm(values: np.ndarray, clip_norm: float) -> np.ndarray:
     Returns a new array; a norm is never increased, and directions are kept. An entry whose
     norm is not finite becomes zero."""
     factors = clip_factors(values, clip_norm)
-    return without_dropped(values, factors) * factors.reshape((-1,) + (1,) * (values.ndim - 1))
+    clipped: np.ndarray = without_dropped(values, factors) * factors.reshape(
+        (-1,) + (1,) * (values.ndim - 1))
+    return clipped
 
 
 def clipped_sum(values: np.ndarray, clip_norm: float) -> tuple[np.ndarray, int]:
@@ -135,7 +137,8 @@ def exponential_log_weights(scores: np.ndarray, epsilon: float,
         raise ValueError(f"epsilon and sensitivity must be > 0, got {epsilon}, {sensitivity}")
     logits = -epsilon * np.asarray(scores, dtype=np.float64) / (2.0 * sensitivity)
     top = logits.max()
-    return logits - (top + np.log(np.exp(logits - top).sum()))
+    weights: np.ndarray = logits - (top + np.log(np.exp(logits - top).sum()))
+    return weights
 
 
 def exponential_mechanism(scores: np.ndarray, epsilon: float, sensitivity: float,

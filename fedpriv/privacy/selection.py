@@ -48,9 +48,13 @@ from functools import cached_property
 
 import dp_accounting
 import numpy as np
+import numpy.typing as npt
 from dp_accounting import rdp
 
 from fedpriv.privacy.accounting import EventKey, InfeasiblePlanError, composed_event
+
+# An RDP curve (or its orders): a sequence of floats or a float64 array.
+Curve = Sequence[float] | npt.NDArray[np.float64]
 
 # RDP orders: dp-accounting's defaults, with more resolution between 1 and 3 and up to 4096
 # (small epsilons want large orders; the selection's log(E[K]) / (lambda - 1) wants them too).
@@ -199,13 +203,13 @@ def repeat_and_select_rdp(curve: Sequence[float], repetitions: Repetitions,
     return np.minimum.accumulate(out[::-1])[::-1]
 
 
-def rdp_delta(curve: Sequence[float], orders: Sequence[float], epsilon: float) -> float:
+def rdp_delta(curve: Curve, orders: Curve, epsilon: float) -> float:
     """Delta at ``epsilon`` from an RDP curve (dp-accounting's conversion)."""
     delta, _ = rdp.rdp_privacy_accountant.compute_delta(list(orders), list(curve), epsilon)
     return float(delta)
 
 
-def rdp_epsilon(curve: Sequence[float], delta: float,
+def rdp_epsilon(curve: Curve, delta: float,
                 orders: Sequence[float] = ORDERS) -> tuple[float, float]:
     """(epsilon at ``delta``, the optimal order) from an RDP curve (dp-accounting's conversion,
     Canonne, Kamath & Steinke 2020, Prop. 12)."""

@@ -32,5 +32,5 @@ score in [0, 1], so privacy does not depend on it).
 
 Files: ``exp_mech_math`` (batched math: local problems, candidate sets, scores),
 ``mechanism`` (the shared base class), ``a_exp`` (a-exp, a-exp-nonprivate), ``jl_exp`` (jl-exp,
-jl-exp-nonprivate); their run-config keys in ``params``.
+jl-exp-nonprivate); their run-config keys, as typed component classes, in ``params``.
 """

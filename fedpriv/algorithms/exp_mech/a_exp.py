@@ -16,29 +16,32 @@ from fedpriv.algorithms.exp_mech.exp_mech_math import (
     haar_candidates,
 )
 from fedpriv.algorithms.exp_mech.mechanism import ExponentialMechanism
-from fedpriv.algorithms.exp_mech.params import A_EXP
+from fedpriv.algorithms.exp_mech.params import AExpConfig
 from fedpriv.algorithms.personalization.linear_math import subspace_distance
-from fedpriv.algorithms.personalization.params import PROBLEM
 from fedpriv.algorithms.personalization.problem import evaluate_models, final_metrics, problem_of
 from fedpriv.data.cache import cohort_data
 from fedpriv.data.synthetic import ground_truth_embedding
 from fedpriv.privacy.mechanisms import score_sum
 
 
-class AExp(ExponentialMechanism):
+class AExp(ExponentialMechanism[AExpConfig]):
     name = "a-exp"
     summary = "A_Exp (Jain et al. 2021, Alg. 4): exponential mechanism over embeddings"
-    components = (PROBLEM, A_EXP, *ExponentialMechanism.components)
+    config_type = AExpConfig
 
     @classmethod
-    def num_candidates(cls, config: Any) -> int:
+    def num_candidates(cls, config: AExpConfig) -> int:
         return config.candidates
 
     @classmethod
-    def score_bound(cls, config: Any) -> float:
+    def score_bound(cls, config: AExpConfig) -> float:
         return config.response_clip**2
 
-    def __init__(self, config: Any) -> None:
+    @classmethod
+    def problem_size(cls, config: AExpConfig) -> tuple[int, int]:
+        return config.rank, config.samples_per_user
+
+    def __init__(self, config: AExpConfig) -> None:
         super().__init__(config)
         self.problem = problem_of(config)
         self._truth = ground_truth_embedding(self.problem)  # evaluation only
@@ -75,7 +78,7 @@ class AExp(ExponentialMechanism):
         return {**super().state(), "embedding": self.embedding().tolist()}
 
     @classmethod
-    def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+    def user_step(cls, config: AExpConfig, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         problem = problem_of(config)
         data = cohort_data(problem, user_ids)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 
+from fedpriv.algorithms.exp_mech.params import AExpKeys, JLExpConfig
 from fedpriv.privacy.mechanisms import clip_by_norm
 
 _CANDIDATE_STREAM = 0xE4A
@@ -43,7 +43,7 @@ def ball_least_squares(z: np.ndarray, y: np.ndarray, radius: float,
     beta = np.einsum("...kl,...k->...l", q, b)  # Q^T b
     tiny = 1e-12 * np.maximum(lam.max(axis=-1, keepdims=True), 1e-300)
 
-    def coords(mu):
+    def coords(mu: np.ndarray) -> np.ndarray:
         denom = lam + mu[..., None]
         return np.where(denom > tiny, beta / np.maximum(denom, tiny), 0.0)
 
@@ -86,7 +86,8 @@ def haar_candidates(seed: int, count: int, dim: int, rank: int) -> np.ndarray:
     """``count`` Haar-random d x k matrices with orthonormal columns, (count, d, k)."""
     rng = np.random.default_rng([seed, _CANDIDATE_STREAM])
     q, r = np.linalg.qr(rng.standard_normal((count, dim, rank)))
-    return q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[:, None, :]
+    haar: np.ndarray = q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[:, None, :]
+    return haar
 
 
 def jl_matrix(seed: int, jl_dim: int, dim: int) -> np.ndarray:
@@ -106,7 +107,7 @@ def frobenius_cover(jl_dim: int, rank: int, gamma: float) -> np.ndarray:
     axis = np.arange(-steps, steps + 1)
     grid = np.stack(np.meshgrid(*([axis] * dims), indexing="ij"), axis=-1).reshape(-1, dims)
     limit = int(math.floor((radius / spacing) ** 2 + 1e-9))  # integer test: exact
-    kept = grid[(grid**2).sum(axis=1) <= limit] * spacing
+    kept: np.ndarray = grid[(grid**2).sum(axis=1) <= limit] * spacing
     kept.setflags(write=False)
     return kept.reshape(-1, jl_dim, rank)
 
@@ -129,8 +130,7 @@ def cover_size(jl_dim: int, rank: int, gamma: float) -> int:
     return int(counts.sum())
 
 
-
-def a_exp_scores(config: Any, x0: np.ndarray, y0: np.ndarray,
+def a_exp_scores(config: AExpKeys, x0: np.ndarray, y0: np.ndarray,
                  candidates: np.ndarray) -> np.ndarray:
     """Each user's A_Exp score of each candidate, (candidates, users), every entry in
     ``[0, response-clip^2]`` whatever the data (v = 0 is feasible and labels are clipped)."""
@@ -146,7 +146,7 @@ def a_exp_scores(config: Any, x0: np.ndarray, y0: np.ndarray,
     return scores
 
 
-def jl_scores(config: Any, x0: np.ndarray, y0: np.ndarray) -> np.ndarray:
+def jl_scores(config: JLExpConfig, x0: np.ndarray, y0: np.ndarray) -> np.ndarray:
     """Each user's margin-loss score of each cover point, (cover points, users), in [0, 1]."""
     cover = frobenius_cover(config.jl_dim, config.rank, config.cover_radius)
     projected = np.einsum("nmd,jd->nmj", x0, jl_matrix(config.seed, config.jl_dim, config.dim))

@@ -4,7 +4,6 @@ Alg. 3) and its non-private best-score version."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -17,7 +16,7 @@ from fedpriv.algorithms.exp_mech.exp_mech_math import (
     jl_scores,
 )
 from fedpriv.algorithms.exp_mech.mechanism import ExponentialMechanism
-from fedpriv.algorithms.exp_mech.params import JL, MARGIN_PROBLEM
+from fedpriv.algorithms.exp_mech.params import JLExpConfig
 from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.data.margin import MarginProblem, MarginTasks, margin_tasks
 from fedpriv.data.synthetic import ground_truth_embedding
@@ -25,24 +24,28 @@ from fedpriv.params import ConfigError
 from fedpriv.privacy.mechanisms import score_sum
 
 
-class JLExp(ExponentialMechanism):
+class JLExp(ExponentialMechanism[JLExpConfig]):
     name = "jl-exp"
     summary = ("JL + exponential mechanism for margin classification (Snedeker et al. 2025, "
                "Alg. 3)")
     size_advice = "raise cover-radius, lower jl-dim"
     feature_families = ("unit-ball",)
-    components = (MARGIN_PROBLEM, JL, *ExponentialMechanism.components)
+    config_type = JLExpConfig
 
     @classmethod
-    def num_candidates(cls, config: Any) -> int:
+    def num_candidates(cls, config: JLExpConfig) -> int:
         return cover_size(config.jl_dim, config.rank, config.cover_radius)
 
     @classmethod
-    def score_bound(cls, config: Any) -> float:
+    def score_bound(cls, config: JLExpConfig) -> float:
         return 1.0
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def problem_size(cls, config: JLExpConfig) -> tuple[int, int]:
+        return config.rank, config.samples_per_user
+
+    @classmethod
+    def validate(cls, config: JLExpConfig) -> None:
         if config.rank > 2:
             raise ConfigError(f"rank: {cls.name} supports rank 1 or 2, not {config.rank}")
         if config.jl_dim * config.rank > 8:
@@ -56,7 +59,8 @@ class JLExp(ExponentialMechanism):
 
     def embedding(self) -> np.ndarray:
         c = self.config
-        return jl_matrix(c.seed, c.jl_dim, c.dim).T @ self.cover()[self.choice]
+        u_priv: np.ndarray = jl_matrix(c.seed, c.jl_dim, c.dim).T @ self.cover()[self.choice]
+        return u_priv
 
     def broadcast(self, step: Step) -> dict[str, np.ndarray]:
         return {"embedding": self.embedding()} if step.is_final else {}
@@ -65,7 +69,7 @@ class JLExp(ExponentialMechanism):
         return {k.removesuffix("_sum"): v / num_users for k, v in metric_sums.items()}
 
     @classmethod
-    def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+    def user_step(cls, config: JLExpConfig, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         problem = MarginProblem.of(config)
         tasks = margin_tasks(problem, user_ids)
@@ -79,7 +83,7 @@ class JLExp(ExponentialMechanism):
         return UserContribution({"scores": total}, len(user_ids), dropped)
 
 
-def evaluate_margin(config: Any, problem: MarginProblem, user_ids: np.ndarray,
+def evaluate_margin(config: JLExpConfig, problem: MarginProblem, user_ids: np.ndarray,
                     train: MarginTasks, embedding: np.ndarray) -> dict[str, float]:
     """Metric sums: each user's v on its held-back half S1 with the released embedding, scored
     on fresh test points (accuracy and margin loss), against each user alone (L2-regularized
@@ -90,10 +94,12 @@ def evaluate_margin(config: Any, problem: MarginProblem, user_ids: np.ndarray,
 
     def fitted(u: np.ndarray) -> np.ndarray:  # each user's w = U v, v fitted on S1
         v, _ = best_margin_vectors(np.einsum("nmd,dk->nmk", x1, u), y1, 0.0)
-        return v @ u.T
+        models: np.ndarray = v @ u.T
+        return models
 
     def test_margins(w: np.ndarray) -> np.ndarray:
-        return test.labels * np.einsum("nmd,nd->nm", test.features, w)
+        margins: np.ndarray = test.labels * np.einsum("nmd,nd->nm", test.features, w)
+        return margins
 
     margins = test_margins(fitted(embedding))
     true_margins = test_margins(fitted(ground_truth_embedding(problem.embedding_problem())))

@@ -4,33 +4,44 @@ data-independent candidate set, then each user's local fit (see the package docs
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step
-from fedpriv.algorithms.exp_mech.params import COST
+from fedpriv.algorithms.exp_mech.params import CostKeys
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 
+CK = TypeVar("CK", bound=CostKeys)
 
-class ExponentialMechanism(Algorithm):
-    """One exponential-mechanism step over a data-independent candidate set, then local fits."""
 
-    components = (COST,)
+class ExponentialMechanism(Algorithm[CK]):
+    """One exponential-mechanism step over a data-independent candidate set, then local fits.
+
+    A subclass reads its problem's component besides the cost guard; it states the problem's
+    size (``problem_size``), how many candidates it scores and the range of a user's score."""
+
+    config_type = CostKeys
 
     @classmethod
-    def num_candidates(cls, config: Any) -> int:
+    def num_candidates(cls, config: CK) -> int:
         raise NotImplementedError
 
     @classmethod
-    def score_bound(cls, config: Any) -> float:
+    def score_bound(cls, config: CK) -> float:
         raise NotImplementedError
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def problem_size(cls, config: CK) -> tuple[int, int]:
+        """``(rank, samples-per-user)`` of the run's problem (its own component declares
+        them, not the cost guard): the checks and the run-time estimate below read them."""
+        raise NotImplementedError
+
+    @classmethod
+    def validate(cls, config: CK) -> None:
         super().validate(config)
-        if config.samples_per_user < 4:
+        if cls.problem_size(config)[1] < 4:
             raise ConfigError("samples-per-user: needs >= 2 samples in each half")
         cost = cls.num_candidates(config) * config.num_users
         if cost > config.max_score_evaluations:
@@ -42,14 +53,14 @@ class ExponentialMechanism(Algorithm):
                 f"{cls.size_advice} or num-users (or raise max-score-evaluations)")
 
     @classmethod
-    def scores_per_second(cls, config: Any) -> float:
+    def scores_per_second(cls, config: CK) -> float:
         """User scores per second on one core, for the run-time estimate in the refusal (where
         measured: docs/measurements.md)."""
-        return 2e6 if config.rank == 1 else 2e5
+        return 2e6 if cls.problem_size(config)[0] == 1 else 2e5
 
     size_advice: ClassVar[str] = "lower candidates"
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: CK) -> None:
         super().__init__(config)
         self.choice: int | None = None
 

@@ -5,13 +5,13 @@ Moreau envelope), and the final evaluation on fresh tasks."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Step, UserContribution
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.algorithms.meta.params import BASE_LEARNER, TASKS
+from fedpriv.algorithms.meta.params import MetaConfig, MetaRoundKeys
 from fedpriv.algorithms.meta.problem import (
     evaluate_fresh,
     evaluation_bounds,
@@ -22,26 +22,28 @@ from fedpriv.algorithms.meta.problem import (
 from fedpriv.data.meta import generate_tasks
 from fedpriv.privacy.mechanisms import clipped_sum
 
+MC = TypeVar("MC", bound=MetaConfig)
 
-class MetaAlgorithm(Algorithm):
+
+class MetaAlgorithm(Algorithm[MC]):
     """Shared parts: the meta-models, their final evaluation on fresh tasks."""
 
     feature_families: ClassVar[tuple[str, ...]] = ("unit-ball",)
     average_iterates: ClassVar[bool] = True
-    components = (TASKS, BASE_LEARNER)
+    config_type = MetaConfig
 
     @classmethod
-    def num_models(cls, config: Any) -> int:
+    def num_models(cls, config: MC) -> int:
         return 1
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: MC) -> None:
         super().__init__(config)
         self.models = self.starting_models(config)
         self.iterate_sum = np.zeros_like(self.models)
         self.iterates = 0
 
     @classmethod
-    def starting_models(cls, config: Any) -> np.ndarray:
+    def starting_models(cls, config: MC) -> np.ndarray:
         """The meta-model(s) before the first round, (q, d): one model at the origin."""
         return np.zeros((1, config.dim))
 
@@ -69,13 +71,13 @@ class MetaAlgorithm(Algorithm):
     evaluation_bounds = staticmethod(evaluation_bounds)
 
     @classmethod
-    def evaluation_values(cls, config: Any, arrays: Mapping[str, np.ndarray],
+    def evaluation_values(cls, config: MC, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         models = np.atleast_2d(np.asarray(arrays["models"], dtype=np.float64))
         return fresh_task_values(config, models, user_ids)
 
     @classmethod
-    def user_step(cls, config: Any, step: Step, arrays: Mapping[str, np.ndarray],
+    def user_step(cls, config: MC, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         models = np.atleast_2d(np.asarray(arrays["models"], dtype=np.float64))
         if step.is_final:
@@ -92,5 +94,5 @@ class MetaAlgorithm(Algorithm):
         return UserContribution({"grads": total}, len(user_ids), clipped)
 
 
-def clip_of(config: Any) -> float:
+def clip_of(config: MetaRoundKeys) -> float:
     return config.clip_norm if config.clipping else float("inf")

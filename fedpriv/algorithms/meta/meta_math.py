@@ -42,31 +42,38 @@ def task_losses(x: np.ndarray, y: np.ndarray, w: np.ndarray, loss: str) -> np.nd
     """Mean loss of each task's ``w`` (n, d) on its points (n, m, d), (n, m) -> (n,)."""
     margin = np.einsum("nmd,nd->nm", x, w)
     if loss == "squared":
-        return ((margin - y) ** 2).mean(axis=1)
-    return np.logaddexp(0.0, -y * margin).mean(axis=1)
+        squared: np.ndarray = ((margin - y) ** 2).mean(axis=1)
+        return squared
+    logistic: np.ndarray = np.logaddexp(0.0, -y * margin).mean(axis=1)
+    return logistic
 
 
 def task_errors(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """0-1 error of the sign classifier (logistic tasks), (n,)."""
-    return (np.sign(np.einsum("nmd,nd->nm", x, w)) != y).mean(axis=1)
+    errors: np.ndarray = (np.sign(np.einsum("nmd,nd->nm", x, w)) != y).mean(axis=1)
+    return errors
 
 
-def _gradient(x, y, w, h, lam, loss):
+def _gradient(x: np.ndarray, y: np.ndarray, w: np.ndarray, h: np.ndarray, lam: float,
+              loss: str) -> np.ndarray:
     m = x.shape[1]
     margin = np.einsum("nmd,nd->nm", x, w)
     if loss == "squared":
         coef = 2.0 * (margin - y) / m
     else:
         coef = -y * _sigmoid(-y * margin) / m
-    return np.einsum("nmd,nm->nd", x, coef) + lam * (w - h)
+    gradient: np.ndarray = np.einsum("nmd,nm->nd", x, coef) + lam * (w - h)
+    return gradient
 
 
 def _sigmoid(t: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * t))  # stable for any t
 
 
-def objective(x, y, w, h, lam, loss) -> np.ndarray:
-    return task_losses(x, y, w, loss) + 0.5 * lam * ((w - h) ** 2).sum(axis=1)
+def objective(x: np.ndarray, y: np.ndarray, w: np.ndarray, h: np.ndarray, lam: float,
+              loss: str) -> np.ndarray:
+    value: np.ndarray = task_losses(x, y, w, loss) + 0.5 * lam * ((w - h) ** 2).sum(axis=1)
+    return value
 
 
 def fit(x: np.ndarray, y: np.ndarray, h: np.ndarray, lam: float, loss: str,
@@ -108,7 +115,8 @@ def fit(x: np.ndarray, y: np.ndarray, h: np.ndarray, lam: float, loss: str,
 
 def meta_gradients(fitted: Fit, h: np.ndarray, lam: float) -> np.ndarray:
     """``-lambda (w^_h(Z) - h)`` per task, (n, d)."""
-    return lam * (np.asarray(h) - fitted.models)
+    gradients: np.ndarray = lam * (np.asarray(h) - fitted.models)
+    return gradients
 
 
 def select_and_fit(x: np.ndarray, y: np.ndarray, models: np.ndarray, lam: float, loss: str,
@@ -128,7 +136,8 @@ def project_to_ball(h: np.ndarray, radius: float) -> np.ndarray:
     """Euclidean projection of each row of ``h`` onto the ball of the given radius."""
     h = np.atleast_2d(np.asarray(h, dtype=np.float64))
     norms = np.linalg.norm(h, axis=1, keepdims=True)
-    return h * np.minimum(1.0, radius / np.maximum(norms, 1e-300))
+    projected: np.ndarray = h * np.minimum(1.0, radius / np.maximum(norms, 1e-300))
+    return projected
 
 
 # ----- tree aggregation (DP-FTRL, Kairouz et al. 2021) -------------------------------------

@@ -11,14 +11,14 @@ Private clustering releases a (q, d) array in which one task changes one row by 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
 from fedpriv.algorithms.base import Part, Step
 from fedpriv.algorithms.meta import meta_math as ml
 from fedpriv.algorithms.meta.meta_algorithm import MetaAlgorithm, clip_of
-from fedpriv.algorithms.meta.params import CLUSTERS, META_ROUNDS, SAMPLING
+from fedpriv.algorithms.meta.params import ClusterMetaConfig, SampledMetaConfig
 from fedpriv.algorithms.meta.problem import paper_tasks_per_round
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
@@ -26,23 +26,24 @@ from fedpriv.randomness import user_uniforms
 
 _SAMPLING_PURPOSE = 0x5A3
 _CLUSTER_INIT_STREAM = 0xC1A
+SC = TypeVar("SC", bound=SampledMetaConfig)
 
 
-class _SampledMeta(MetaAlgorithm):
+class _SampledMeta(MetaAlgorithm[SC]):
     """Algorithms 1 and 2: T rounds over Poisson samples of the tasks."""
 
-    components = (*MetaAlgorithm.components, META_ROUNDS, SAMPLING)
+    config_type = SampledMetaConfig
 
     @classmethod
-    def tasks_per_round(cls, config: Any) -> int:
+    def tasks_per_round(cls, config: SC) -> int:
         return config.tasks_per_round or paper_tasks_per_round(config)
 
     @classmethod
-    def sampling_rate(cls, config: Any) -> float:
+    def sampling_rate(cls, config: SC) -> float:
         return cls.tasks_per_round(config) / config.num_users
 
     @classmethod
-    def validate(cls, config: Any) -> None:
+    def validate(cls, config: SC) -> None:
         super().validate(config)
         if config.tasks_per_round > config.num_users:
             raise ConfigError(f"tasks-per-round: {config.tasks_per_round} exceeds num-users "
@@ -66,7 +67,7 @@ class _SampledMeta(MetaAlgorithm):
         return None, self.sampling_rate(self.config)
 
     @classmethod
-    def participants(cls, config: Any, step: Step, user_ids: np.ndarray) -> np.ndarray:
+    def participants(cls, config: SC, step: Step, user_ids: np.ndarray) -> np.ndarray:
         if step.is_final:
             return user_ids  # every fresh task is evaluated
         u = user_uniforms(config.seed, _SAMPLING_PURPOSE, step.index, user_ids, 1)[:, 0]
@@ -79,27 +80,27 @@ class _SampledMeta(MetaAlgorithm):
         return self._record_iterate()
 
 
-class MetaNSGD(_SampledMeta):
+class MetaNSGD(_SampledMeta[SampledMetaConfig]):
     name = "meta-nsgd"
     summary = "Meta-NSGD (Zhou & Bassily 2022, Alg. 1): task-level DP meta-learning"
 
 
-class MetaSGD(_SampledMeta):
+class MetaSGD(_SampledMeta[SampledMetaConfig]):
     name = "meta-sgd"
     private = False
     summary = "Meta-NSGD without noise (non-private meta-learning baseline)"
 
 
-class _ClusterMeta(_SampledMeta):
+class _ClusterMeta(_SampledMeta[ClusterMetaConfig]):
     average_iterates = False
-    components = (*_SampledMeta.components, CLUSTERS)
+    config_type = ClusterMetaConfig
 
     @classmethod
-    def num_models(cls, config: Any) -> int:
+    def num_models(cls, config: ClusterMetaConfig) -> int:
         return config.meta_models
 
     @classmethod
-    def starting_models(cls, config: Any) -> np.ndarray:
+    def starting_models(cls, config: ClusterMetaConfig) -> np.ndarray:
         """Algorithm 2: q random starting points of norm meta-init-scale (data-free, seeded)."""
         q = config.meta_models
         if q == 1:

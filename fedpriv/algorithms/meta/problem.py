@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.data.meta import MetaProblem, cluster_centers, generate_tasks
+from fedpriv.algorithms.meta.params import MetaConfig, SamplingKeys, TaskKeys
+from fedpriv.data.meta import MetaProblem, Tasks, cluster_centers, generate_tasks
 
 
-def meta_problem_of(config: Any) -> MetaProblem:
+def meta_problem_of(config: TaskKeys) -> MetaProblem:
     return MetaProblem(
         num_tasks=config.num_users,
         dim=config.dim,
@@ -28,13 +28,14 @@ def meta_problem_of(config: Any) -> MetaProblem:
     )
 
 
-def paper_tasks_per_round(config: Any) -> int:
+def paper_tasks_per_round(config: SamplingKeys) -> int:
     """Algorithm 1, line 1: ``m = max(K sqrt(epsilon / (4T)), 1)`` (capped at K)."""
     m = config.num_users * math.sqrt(config.epsilon / (4.0 * config.rounds))
     return int(min(config.num_users, max(1, round(m))))
 
 
-def _fresh_fit(config: Any, models: np.ndarray, task_ids: np.ndarray):
+def _fresh_fit(config: MetaConfig, models: np.ndarray,
+               task_ids: np.ndarray) -> tuple[MetaProblem, Tasks, Tasks, np.ndarray, ml.Fit]:
     """The fresh tasks with these ids (training and test points) and their models fitted from
     the meta-model(s): (problem, train, test, chosen meta-model, fit)."""
     problem = meta_problem_of(config)
@@ -46,7 +47,8 @@ def _fresh_fit(config: Any, models: np.ndarray, task_ids: np.ndarray):
     return problem, train, test, choice, fitted
 
 
-def evaluate_fresh(config: Any, models: np.ndarray, task_ids: np.ndarray) -> dict[str, float]:
+def evaluate_fresh(config: MetaConfig, models: np.ndarray,
+                   task_ids: np.ndarray) -> dict[str, float]:
     """Metric sums over the fresh tasks with these ids (see the module docstring)."""
     lam, acc, loss = config.meta_lambda, config.base_accuracy, config.task_loss
     problem, train, test, choice, fitted = _fresh_fit(config, models, task_ids)
@@ -72,7 +74,7 @@ def evaluate_fresh(config: Any, models: np.ndarray, task_ids: np.ndarray) -> dic
     return sums
 
 
-def fresh_task_values(config: Any, models: np.ndarray,
+def fresh_task_values(config: MetaConfig, models: np.ndarray,
                       task_ids: np.ndarray) -> dict[str, np.ndarray]:
     """Each fresh task's transfer risk (test loss of the model fitted from the meta-model(s))
     and, for logistic tasks, its 0-1 error: the per-task values of ``evaluate_fresh``."""
@@ -84,7 +86,7 @@ def fresh_task_values(config: Any, models: np.ndarray,
     return values
 
 
-def evaluation_bounds(config: Any) -> dict[str, float]:
+def evaluation_bounds(config: TaskKeys) -> dict[str, float]:
     """Private metrics of meta-learning: each fresh task's transfer risk clipped to
     ``[0, metric-clip]`` (0: twice the squared-loss risk of h = 0 on the farthest cluster
     center, or 2 for the logistic loss, from public parameters), and its 0-1 error in [0, 1]
@@ -105,7 +107,7 @@ def evaluation_bounds(config: Any) -> dict[str, float]:
     return bounds
 
 
-def final_meta_metrics(config: Any, sums: Mapping[str, float], num_tasks: int,
+def final_meta_metrics(config: TaskKeys, sums: Mapping[str, float], num_tasks: int,
                        num_models: int) -> dict[str, float]:
     metrics = {
         "transfer_risk": sums["risk"] / num_tasks,

@@ -4,18 +4,18 @@ base learner biased towards the true task mean(s) (``meta-oracle``, not an algor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.meta.meta_algorithm import MetaAlgorithm
+from fedpriv.algorithms.meta.params import MetaConfig
 from fedpriv.algorithms.meta.problem import meta_problem_of
 from fedpriv.data.meta import cluster_centers
 from fedpriv.privacy.accounting import PlannedRelease
 
 
-class MetaLocal(MetaAlgorithm):
+class MetaLocal(MetaAlgorithm[MetaConfig]):
     """Each fresh task alone: the base learner with h = 0. Nothing is released."""
 
     name = "meta-local"
@@ -37,7 +37,7 @@ class MetaLocal(MetaAlgorithm):
         return metrics
 
 
-class MetaOracle(MetaAlgorithm):
+class MetaOracle(MetaAlgorithm[MetaConfig]):
     """Reference: the base learner biased towards the true task mean(s) -- the cluster centers
     of the task distribution, which no algorithm knows. A floor for what a learned meta-model
     can reach (not a bound: a learned h may differ from the centers and still do as well)."""
@@ -46,11 +46,11 @@ class MetaOracle(MetaAlgorithm):
     summary = "reference: base learner biased to the true task mean(s) (not an algorithm)"
 
     @classmethod
-    def starting_models(cls, config: Any) -> np.ndarray:
+    def starting_models(cls, config: MetaConfig) -> np.ndarray:
         return cluster_centers(meta_problem_of(config))
 
     @classmethod
-    def num_models(cls, config: Any) -> int:
+    def num_models(cls, config: MetaConfig) -> int:
         return config.task_clusters
 
     def privacy_plan(self) -> list[PlannedRelease]:

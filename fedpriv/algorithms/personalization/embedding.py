@@ -130,6 +130,8 @@ class EmbeddingAlgorithm(Algorithm[EC]):
 
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
         metrics = final_metrics(self.config, metric_sums, num_users)
+        if self.embedding is None:
+            raise RuntimeError("finalize before the embedding was released")
         metrics["subspace_distance"] = subspace_distance(self.embedding, self._truth)
         return metrics
 

@@ -71,7 +71,8 @@ def embedding_gradients(
     v = least_squares(solve_features @ embedding, solve_labels)
     residual = grad_labels - np.einsum("nbd,dk,nk->nb", grad_features, embedding, v)
     scale = -2.0 / grad_features.shape[1]
-    return scale * np.einsum("nbd,nb,nk->ndk", grad_features, residual, v)
+    gradients: np.ndarray = scale * np.einsum("nbd,nb,nk->ndk", grad_features, residual, v)
+    return gradients
 
 
 def gradient_factors(

@@ -23,7 +23,8 @@ def u_statistics(features: np.ndarray, labels: np.ndarray) -> np.ndarray:
     weighted = features * labels[:, :, None]  # a_j, (n, m, d)
     total = weighted.sum(axis=1)
     outer = np.einsum("ni,nj->nij", total, total) - np.einsum("nmi,nmj->nij", weighted, weighted)
-    return outer / (m * (m - 1))
+    statistic: np.ndarray = outer / (m * (m - 1))
+    return statistic
 
 
 def _norm_bounds(weighted: np.ndarray, total: np.ndarray) -> np.ndarray:
@@ -46,7 +47,8 @@ def _norm_bounds(weighted: np.ndarray, total: np.ndarray) -> np.ndarray:
              np.einsum("nij,nij->n", gram, gram))
     slack = 16.0 * (m * d + m * m + 4) * np.finfo(np.float64).eps * sum(terms)
     square = terms[0] - terms[1] + terms[2] + slack
-    return np.sqrt(np.maximum(square, 0.0)) / (m * (m - 1))
+    norms: np.ndarray = np.sqrt(np.maximum(square, 0.0)) / (m * (m - 1))
+    return norms
 
 
 def clipped_u_statistic_sum(
@@ -97,7 +99,8 @@ def pair_statistics(
         weight = ya * yb / (np.linalg.norm(a, axis=2) * np.linalg.norm(b, axis=2))
     weight = np.nan_to_num(weight, nan=0.0, posinf=0.0, neginf=0.0)  # a zero feature vector
     outer = np.einsum("npi,npj,np->nij", a, b, weight)
-    return (outer + outer.transpose(0, 2, 1)) / 2.0
+    symmetric: np.ndarray = (outer + outer.transpose(0, 2, 1)) / 2.0
+    return symmetric
 
 
 def pair_bound(samples: int, response_clip: float) -> float:

@@ -69,7 +69,8 @@ class PrivAltMin(EmbeddingAlgorithm[AltMinConfig]):
 
     def round_steps(self) -> list[Step]:
         c = self.config
-        eta, zeta = clip_or_inf(c.clipping, c.feature_clip), clip_or_inf(c.clipping, c.response_clip)
+        eta = clip_or_inf(c.clipping, c.feature_clip)
+        zeta = clip_or_inf(c.clipping, c.response_clip)
         cov_bound, corr_bound = altmin.statistic_bounds(self.stat_samples, eta, zeta)
         dk = c.dim * c.rank
         share = c.cov_budget_share
@@ -92,7 +93,8 @@ class PrivAltMin(EmbeddingAlgorithm[AltMinConfig]):
         if step.group is None:
             return user_ids
         groups = user_groups(config.seed, config.num_users, config.user_groups)
-        return user_ids[groups[user_ids] == step.group]
+        taking_part: np.ndarray = user_ids[groups[user_ids] == step.group]
+        return taking_part
 
     def round_update(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> np.ndarray:
         return altmin.solve_embedding(noisy_means["cov"], noisy_means["corr"], self.config.dim,

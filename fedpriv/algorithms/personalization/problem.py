@@ -62,7 +62,8 @@ def user_test_mse(problem: SyntheticProblem, user_ids: np.ndarray, models: np.nd
     "validation"``: on its held-back validation samples), (n,)."""
     test = cohort_data(problem, user_ids, samples=test_samples, purpose=purpose)
     test_err = test.labels - np.einsum("nmd,nd->nm", test.features, models)
-    return (test_err**2).mean(axis=1)
+    mse: np.ndarray = (test_err**2).mean(axis=1)
+    return mse
 
 
 def evaluation_bounds(config: ProblemKeys) -> dict[str, float]:
@@ -103,7 +104,8 @@ def embedding_models(
     """``U v_i`` with ``v_i`` fitted on the user's held-back half ``S1``, (n, d)."""
     data = cohort_data(problem, user_ids) if data is None else data
     _, (x1, y1) = data.split_halves()
-    return local_vectors(embedding, x1, y1) @ embedding.T
+    models: np.ndarray = local_vectors(embedding, x1, y1) @ embedding.T
+    return models
 
 
 def final_metrics(
