@@ -137,7 +137,9 @@ class RunConfig:
         "it); checked strictly", resumable=False))
 
     def check_keys(self) -> None:
-        """Relations between the core keys (each component class may define its own)."""
+        """Relations between the core keys. A component class's own ``check_keys`` checks its
+        keys only (``component_groups`` collects each class's own; parsing calls this one as
+        ``RunConfig.check_keys(config)``), so none calls ``super()``."""
         if self.users_per_node > self.num_users:
             raise ConfigError(f"users-per-node: {self.users_per_node} exceeds num-users "
                               f"({self.num_users})")

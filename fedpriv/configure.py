@@ -77,7 +77,7 @@ def parse_config(values: Mapping[str, Any], strict: bool = False) -> RunConfig:
     params = {p.attr: _resolved(cls, p, p.parse(given.get(p.key, p.default)), core)
               for p in own.values()}
     config = cls.config_type(**core, **params)
-    config.check_keys()
+    RunConfig.check_keys(config)  # the core's relations (components' own: in validate)
     cls.validate(config)
     check(config, cls)
     return config

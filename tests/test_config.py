@@ -59,3 +59,14 @@ def test_a_sweep_or_tuning_file_given_to_run_names_the_command_to_use(name, comm
     path = Path(__file__).resolve().parents[1] / "configs" / name
     with pytest.raises(ConfigError, match=f"is a {command} file .*`fedpriv {command} "):
         load_run_config(str(path), [])
+
+
+@pytest.mark.parametrize("algorithm", ["private-fedrep", "meta-nsgd", "a-exp", "jl-exp",
+                                       "deep-private-fedrep", "local-only"])
+def test_the_core_relations_are_checked_whatever_the_algorithms_components(algorithm):
+    """A component's own check_keys never hides the core's (a fixed noise seed with secure
+    noise would make the noise predictable)."""
+    with pytest.raises(ConfigError, match="noise-seed: 3 is not allowed with secure-noise"):
+        parse_config({"algorithm": algorithm, "secure-noise": True, "noise-seed": 3})
+    with pytest.raises(ConfigError, match="users-per-node: 50 exceeds num-users"):
+        parse_config({"algorithm": algorithm, "num-users": 10, "users-per-node": 50})

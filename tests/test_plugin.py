@@ -145,3 +145,23 @@ def test_what_moved_fails_with_a_message_naming_its_new_home():
 
     assert node_step is moved
     assert any("moved to fedpriv.nodes.node_step" in str(w.message) for w in caught)
+
+
+def test_a_plugin_config_made_from_paramgroups_pickles():
+    """Checkpoints pickle what an algorithm keeps; a config class made at run time is found
+    again by its place on the algorithm class."""
+    import pickle
+
+    from fedpriv.configure import parse_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "plugin_pkg"))
+    try:
+        from fedpriv_toy import ToyMean
+        from fedpriv.registry import register
+
+        register(ToyMean)
+        config = parse_config({"algorithm": "toy-mean", "toy-scale": 2.5})
+    finally:
+        sys.path.pop(0)
+    again = pickle.loads(pickle.dumps(config))
+    assert again == config and type(again) is ToyMean.config_type

@@ -158,8 +158,10 @@ class Algorithm(Generic[C]):
             raise TypeError(f"{cls.__qualname__}: set config_type (typed keys) or, as plug-ins "
                             "did before typed keys, components (ParamGroups), not both")
         if "components" in own:  # a plug-in written against the ParamGroup contract
-            cls.config_type = plugin_config_type(f"{cls.__name__}Config", cls.config_type,
-                                                 cls.components)
+            made = plugin_config_type(f"{cls.__name__}Config", cls.config_type, cls.components)
+            made.__module__ = cls.__module__  # found by pickle as <module>.<class>.config_type
+            made.__qualname__ = f"{cls.__qualname__}.config_type"
+            cls.config_type = made
         elif "config_type" in own:
             cls.components = component_groups(cls.config_type)
 
