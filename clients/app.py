@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app.typing import MetricRecordValues
 from flwr.clientapp import ClientApp
 
 # The built-in algorithms (torch among their imports, slow to load cold) load with the ClientApp,
@@ -75,17 +76,22 @@ def _answer(msg: Message, context: Context) -> Message:
     if faulty and config.node_fault_kind == "timeout":
         time.sleep(config.node_timeout + 2.0)  # answer only after the server stopped waiting
     algorithm = algorithm_for(config)
-    arrays = {k: v.numpy() for k, v in msg.content[P.ARRAYS].items()} if P.ARRAYS in (
-        msg.content) else {}
+    arrays: dict[str, np.ndarray] = {}
+    if P.ARRAYS in msg.content:
+        record = msg.content[P.ARRAYS]
+        if not isinstance(record, ArrayRecord):
+            raise TypeError(f"{P.ARRAYS} is a {type(record).__name__}, not an ArrayRecord")
+        arrays = {k: v.numpy() for k, v in record.items()}
     decoded = time.perf_counter()
     contrib = node_step(algorithm, config, step, arrays,
                         algorithm.hosted_users(config, pid, parts))
     computed = time.perf_counter()
     if faulty and config.node_fault_kind == "corrupt":
         contrib = corrupted(contrib)
-    metrics = {P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
-               P.KEY_PARTITION: pid, P.KEY_COMPUTE_S: computed - decoded,
-               P.KEY_DECODE_S: decoded - started}
+    metrics: dict[str, MetricRecordValues] = {
+        P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
+        P.KEY_PARTITION: pid, P.KEY_COMPUTE_S: computed - decoded,
+        P.KEY_DECODE_S: decoded - started}
     for key, value in (contrib.metrics or {}).items():
         metrics[P.METRIC_PREFIX + key] = float(value)
     content = RecordDict({P.METRICS: MetricRecord(metrics)})

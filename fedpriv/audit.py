@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from scipy.stats import beta
@@ -144,5 +143,6 @@ def run_audit(config: RunConfig, trials: int = 20000, alpha: float = 0.05,
                        threshold, fp / n, fn / n)
 
 
-def audit_lines(config: RunConfig, **kwargs: Any) -> list[str]:
-    return run_audit(config, **kwargs).lines()
+def audit_lines(config: RunConfig, trials: int = 20000, alpha: float = 0.05,
+                noise_scale: float = 1.0) -> list[str]:
+    return run_audit(config, trials, alpha, noise_scale).lines()

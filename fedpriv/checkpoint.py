@@ -17,6 +17,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from fedpriv.config import RunConfig
+
 FORMAT = 1
 SUFFIX = ".checkpoint"
 
@@ -25,7 +27,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or belongs to another run."""
 
 
-def checkpoint_path(config: Any) -> Path:
+def checkpoint_path(config: RunConfig) -> Path:
     """The configured checkpoint file, or the results path with suffix ``.checkpoint``."""
     raw = config.checkpoint_path or str(Path(config.results_path).with_suffix(SUFFIX))
     return Path(raw).expanduser().resolve()

@@ -221,8 +221,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.neighbours:
         return cmd_neighbours(args)
     try:
-        config = parse_config(load_run_config(args.config, args.set or []),
-                                        strict=True)
+        config = parse_config(load_run_config(args.config, args.set or []), strict=True)
         check_plan(config)
         for bad, message in ((args.trials < 100, f"--trials: {args.trials}; at least 100"),
                              (not 0 < args.alpha < 1, f"--alpha: {args.alpha}; in (0, 1)"),
@@ -250,7 +249,7 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
     neighbours that differ in one user, each at most the stated sensitivity apart."""
     import tempfile
 
-    from fedpriv.algorithms.deep.params import FILE_SOURCES
+    from fedpriv.algorithms.deep.params import FILE_SOURCES, DataKeys
     from fedpriv.neighbour_data import file_neighbours
     from fedpriv.neighbours import check_neighbour, table
     from fedpriv.privacy.accounting import InfeasiblePlanError
@@ -258,9 +257,9 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
     from fedpriv.server import check_plan
 
     try:
-        config = parse_config(load_run_config(args.config, args.set or []),
-                                        strict=True)
-        if not config.has("dataset") or config.dataset not in FILE_SOURCES:
+        config = parse_config(load_run_config(args.config, args.set or []), strict=True)
+        # the deep family's data keys: the command rewrites the run's data file
+        if not isinstance(config, DataKeys) or config.dataset not in FILE_SOURCES:
             raise ConfigError("--neighbours: builds neighbours of your data file (dataset = "
                               "npz, csv or parquet); the synthetic problems and the built-in "
                               "datasets are covered by the project's tests "

@@ -114,7 +114,7 @@ def app_config_keys(app_dir: str | Path) -> set[str] | None:
 def for_flower(values: dict[str, Any], app_keys: set[str] | None) -> dict[str, Any]:
     """``values`` as a Flower run-config for an app listing ``app_keys``: the keys the app does
     not list (a plug-in algorithm's own) move into the core key ``plugin-config``, a TOML inline
-    table that ``RunConfig.from_mapping`` unpacks and checks strictly."""
+    table that ``fedpriv.configure.parse_config`` unpacks and checks strictly."""
     if app_keys is None:
         return dict(values)
     extra = {k: v for k, v in values.items() if k not in app_keys}

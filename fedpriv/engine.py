@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from fedpriv.config import RunConfig
 from fedpriv.faults import corrupted, failing_partitions
@@ -16,8 +18,9 @@ from fedpriv.nodes import auto_num_nodes, node_step
 from fedpriv.server import NodeReply, PrivateServer
 
 
-def run_in_process(config: RunConfig, num_partitions: int | None = None, log=print,
-                   checkpoint_path: Path | None = None) -> dict:
+def run_in_process(config: RunConfig, num_partitions: int | None = None,
+                   log: Callable[[str], None] = print,
+                   checkpoint_path: Path | None = None) -> dict[str, Any]:
     """Run every (remaining) step; nodes answer in turn. ``checkpoint_path``: save the server
     state there after every step (and resume from it when ``config.resume``)."""
     started = time.perf_counter()
@@ -51,7 +54,7 @@ def simulated_failure(partition: int, kind: str) -> NodeReply:
     return NodeReply(partition, error="simulated crash (node-fault-rate)", failure="node-error")
 
 
-def write_results(results: dict, path: str | os.PathLike) -> Path:
+def write_results(results: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write the results JSON atomically; returns the absolute path."""
     target = Path(path).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)

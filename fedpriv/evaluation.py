@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,6 +43,15 @@ from fedpriv.privacy.accounting import PlannedRelease, gdp_mu
 
 EVALUATION = "evaluation"
 EVALUATE = "evaluate"
+
+
+class EvaluatedAlgorithm(Protocol):
+    """What the server reads of an algorithm run by ``with_evaluation``'s class once the
+    evaluation is released: the noisy means and the family's bounds."""
+
+    private_metrics: dict[str, float]
+
+    def evaluation_bounds(self, config: RunConfig) -> Mapping[str, float]: ...
 
 
 def algorithm_for(config: RunConfig) -> type[Algorithm[Any]]:

@@ -25,7 +25,7 @@ _PANELS = (("per-user test accuracy", (("accuracy", "mean user"),
            ("test loss (mean per user)", (("test_loss", "mean user"),)))
 
 
-def curve_path(results_path: str | os.PathLike) -> Path:
+def curve_path(results_path: str | os.PathLike[str]) -> Path:
     """Where the learning curve of a run whose operator report is at ``results_path`` goes."""
     p = Path(results_path)
     return p.with_name(p.stem + CURVE_SUFFIX)
@@ -53,7 +53,7 @@ def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
-def plot_curve(report: Mapping[str, Any], path: str | os.PathLike) -> Path | None:
+def plot_curve(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path | None:
     """Draw the curve (accuracy of the mean and the 10th-percentile user, and the test loss,
     against the round; the epsilon spent by each point on the top axis, where the accountant
     gave it at every point) to ``path``; None,

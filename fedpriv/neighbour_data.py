@@ -17,11 +17,12 @@ import csv
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
+from fedpriv.algorithms.deep.params import DataKeys, DeepLocalConfig
 from fedpriv.algorithms.deep.problem import problem_of
-from fedpriv.config import RunConfig
 from fedpriv.configure import parse_config
 from fedpriv.data.sources import load_source
 from fedpriv.data.tables import USER, table_columns, table_rows
@@ -49,7 +50,7 @@ class Rows:
                     np.concatenate([self.x, other.x]))
 
 
-def read_rows(config: RunConfig) -> Rows:
+def read_rows(config: DataKeys) -> Rows:
     """Every row of the run's data file (the operator's own copy)."""
     if config.dataset == "npz":
         source = load_source("npz", data_file=config.data_file)
@@ -77,18 +78,21 @@ def write_rows(rows: Rows, path: Path, fmt: str) -> Path:
         np.savez(path, **arrays)
         return path
     names = [f"f{j}" for j in range(flat.shape[1])]
+    users = rows.users
+    if users is None:  # only an npz file may lack the user column
+        raise ValueError(f"a {fmt} data file needs a user id per row")
     if fmt == "csv":
         with open(path, "w", newline="") as fh:
             out = csv.writer(fh)
             out.writerow([USER, "split", "label", *names])
             for i in range(len(flat)):
-                out.writerow([rows.users[i], rows.splits[i], int(rows.labels[i]),
+                out.writerow([users[i], rows.splits[i], int(rows.labels[i]),
                               *(repr(float(v)) for v in flat[i])])
         return path
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    columns = {USER: pa.array(rows.users.tolist()), "split": pa.array(rows.splits.tolist()),
+    columns = {USER: pa.array(users.tolist()), "split": pa.array(rows.splits.tolist()),
                "label": pa.array(rows.labels.astype(np.int64)),
                **{name: pa.array(flat[:, j].astype(np.float64)) for j, name in
                   enumerate(names)}}
@@ -123,7 +127,8 @@ def _changed(rows: Rows, mine: np.ndarray, change: Callable[[np.ndarray], np.nda
     return replace(rows, x=x)
 
 
-def _natural_cases(rows: Rows, user: object, cap: int, classes: int) -> dict[str, tuple]:
+def _natural_cases(rows: Rows, user: object, cap: int,
+                   classes: int) -> dict[str, tuple[str, Rows]]:
     """(relation, rows of D') of each natural-user neighbour of ``rows`` about ``user``."""
     assert rows.users is not None
     ids = np.unique(rows.users)
@@ -134,8 +139,11 @@ def _natural_cases(rows: Rows, user: object, cap: int, classes: int) -> dict[str
         low, high = ids[0] - 1, ids[-1] + 1  # np.unique sorts
     else:  # text ids: below and above every id (numpy has no min of strings)
         low, high = "!" + str(ids[0]), str(ids[-1]) + "~"
-    renamed = lambda new: replace(own, users=np.full(  # noqa: E731 (wide enough for the new id)
-        len(own.users), new, dtype=np.result_type(ids.dtype, np.asarray(new).dtype)))
+
+    def renamed(new: object) -> Rows:  # the user's rows under id ``new`` (dtype wide enough)
+        return replace(own, users=np.full(
+            len(own.labels), new, dtype=np.result_type(ids.dtype, np.asarray(new).dtype)))
+
     train = np.flatnonzero(own.splits == "train")
     label = own.labels.copy()
     label[train[0]] = classes + 9
@@ -148,9 +156,9 @@ def _natural_cases(rows: Rows, user: object, cap: int, classes: int) -> dict[str
         "a copy added with the largest id": ("add", rows.join(renamed(high))),
         "the user under another id": ("replace", others.join(renamed(high))),
         "one training row": ("replace", others.join(own.take(np.setdiff1d(
-            np.arange(len(own.users)), train[1:])))),
+            np.arange(len(own.labels)), train[1:])))),
         "two training rows": ("replace", others.join(own.take(np.setdiff1d(
-            np.arange(len(own.users)), train[2:])))),
+            np.arange(len(own.labels)), train[2:])))),
         f"more than max-rows-per-user ({cap}) rows": ("replace", others.join(many)),
         f"a label outside 0..{classes - 1}": ("replace", others.join(replace(own,
                                                                             labels=label))),
@@ -160,13 +168,14 @@ def _natural_cases(rows: Rows, user: object, cap: int, classes: int) -> dict[str
     return cases
 
 
-def with_file(config: RunConfig, path: Path) -> RunConfig:
+def with_file(config: DataKeys, path: Path) -> DataKeys:
     """``config`` reading the data file at ``path``."""
-    return parse_config({**config.to_mapping(), "data-file": str(path)})
+    # the same algorithm's keys, so parse_config makes the same config class as ``config``'s
+    return cast(DataKeys, parse_config({**config.to_mapping(), "data-file": str(path)}))
 
 
-def file_neighbours(config: RunConfig, folder: Path, user: object | None = None,
-                    ) -> tuple[RunConfig, list[Neighbour]]:
+def file_neighbours(config: DataKeys, folder: Path, user: str | int | None = None,
+                    ) -> tuple[DataKeys, list[Neighbour]]:
     """D and its neighbours about one user (``user``: its id with natural users, its position
     otherwise; default: the middle one), every one written under ``folder`` by the same
     writer (so that D and D' differ in that user's rows alone): (D's config, neighbours)."""
@@ -175,6 +184,8 @@ def file_neighbours(config: RunConfig, folder: Path, user: object | None = None,
     suffix = config.dataset
     base = with_file(config, write_rows(rows, folder / f"D.{suffix}", suffix))
     if config.partition == "natural":
+        if rows.users is None:
+            raise ValueError(f"partition = \"natural\": {config.data_file} has no user ids")
         ids = np.unique(rows.users)
         target = ids[len(ids) // 2] if user is None else np.asarray(
             [user]).astype(ids.dtype)[0]
@@ -182,6 +193,9 @@ def file_neighbours(config: RunConfig, folder: Path, user: object | None = None,
             raise ValueError(f"user {user!r} is not in {config.data_file}")
         cases = _natural_cases(rows, target, config.max_rows_per_user, config.num_classes)
     else:
+        if not isinstance(config, DeepLocalConfig):  # the partition is the deep problem's
+            raise ValueError(f"{config.algorithm}: its users are not a deep algorithm's "
+                             "partition of the rows")
         problem = problem_of(config, features=False)
         position = len(problem.users.train.counts) // 2 if user is None else int(user)
         train_rows = np.flatnonzero(rows.splits == "train")
@@ -195,7 +209,7 @@ def file_neighbours(config: RunConfig, folder: Path, user: object | None = None,
         target = position
         cases = {name: ("replace", _changed(rows, mine, change))
                  for name, change in VALUE_CHANGES.items()}
-    out = []
+    out: list[Neighbour] = []
     for i, (name, (relation, changed)) in enumerate(cases.items()):
         path = write_rows(changed, folder / f"neighbour-{i}.{suffix}", suffix)
         out.append(Neighbour(f"user {target}: {name}", relation, with_file(config, path)))

@@ -101,7 +101,8 @@ def _captured(server: PrivateServer) -> Iterator[dict[str, np.ndarray]]:
     """What ``server`` releases in the next step: the noisy means handed to the algorithm,
     or the mean scores the exponential mechanism samples from."""
     seen: dict[str, np.ndarray] = {}
-    apply, select = server.algorithm.apply, server.release.select
+    apply: Callable[[Step, Mapping[str, np.ndarray]], dict[str, float]] = server.algorithm.apply
+    select: Callable[[Step, np.ndarray, int], dict[str, Any]] = server.release.select
 
     def on_apply(step: Step, noisy: Mapping[str, np.ndarray]) -> dict[str, float]:
         seen.update({k: np.array(v, dtype=np.float64) for k, v in noisy.items()

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -42,8 +43,8 @@ def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
             for reply in grid.send_and_receive(msgs, timeout=timeout):
                 if reply.has_content():
                     cfg = reply.content[P.CONFIG]
-                    partitions[reply.metadata.src_node_id] = int(cfg[P.KEY_PARTITION])
-                    expected = int(cfg[P.KEY_NUM_PARTITIONS])
+                    partitions[reply.metadata.src_node_id] = int(_scalar(cfg[P.KEY_PARTITION]))
+                    expected = int(_scalar(cfg[P.KEY_NUM_PARTITIONS]))
             if expected is not None and set(partitions.values()) == set(range(expected)):
                 return partitions
         if time.monotonic() > deadline:
@@ -52,11 +53,20 @@ def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         time.sleep(1.0)
 
 
+def _scalar(value: object) -> int | float | str | bytes:
+    """A record's value where a number is expected (Flower types a record's values as any
+    value a record may hold): what ``int``/``float`` convert, anything else (an array, a list)
+    a ``TypeError``, as those conversions would raise."""
+    if not isinstance(value, (int, float, str, bytes)):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return value
+
+
 def _seconds(reply: Message, key: str) -> float:
     """A node's own timing from its reply, for the profile only: the node's word, so anything
     but a finite number in [0, 1e6] counts as 0 (an error reply has none)."""
     try:
-        value = float(reply.content[P.METRICS][key])
+        value = float(_scalar(reply.content[P.METRICS][key]))
     except Exception:  # noqa: BLE001 -- an error reply, a missing or malformed value
         return 0.0
     return value if math.isfinite(value) and 0.0 <= value <= 1e6 else 0.0
@@ -64,7 +74,7 @@ def _seconds(reply: Message, key: str) -> float:
 
 def _count(value: object) -> int:
     """A user count from a MetricRecord: a non-negative integer (a float must be integral)."""
-    number = float(value)  # type: ignore[arg-type]
+    number = float(_scalar(value))
     if not number.is_integer() or number < 0:
         raise ValueError(f"count {value!r} is not a non-negative integer")
     return int(number)
@@ -81,7 +91,7 @@ class PrivateStrategy(Strategy):
                                     checkpoint_path=checkpoint_path)
         self._step: Step | None = None  # the step under way (set by run)
         self._started = 0.0
-        self.profile: list[dict] = []
+        self.profile: list[dict[str, str | float]] = []
 
     # -- per-step work, in Flower's vocabulary ------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -93,11 +103,15 @@ class PrivateStrategy(Strategy):
         return [Message(content, dst_node_id=n, message_type=message_type)
                 for n in self.partitions]
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        node_replies = []
-        answered = set()
+    def aggregate_train(self, server_round: int, replies: Iterable[Message],
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        step = self._step
+        assert step is not None, "aggregate_train runs inside run()"
+        node_replies: list[NodeReply] = []
+        answered: set[int] = set()
         received = time.perf_counter()
-        compute, decode = [], []
+        compute: list[float] = []
+        decode: list[float] = []
         for reply in replies:
             node = reply.metadata.src_node_id
             answered.add(node)
@@ -108,20 +122,22 @@ class PrivateStrategy(Strategy):
             if node not in answered:
                 node_replies.append(NodeReply(pid, error="no reply before the timeout",
                                               failure="timeout"))
-        report = self.server.aggregate(self._step, node_replies, self._started)
+        report = self.server.aggregate(step, node_replies, self._started)
         # where the step's time went (operator report only; see benchmarks/profile_flower.py)
         done = time.perf_counter()
-        self.profile.append({"step": self._step.label, "wall_s": done - self._started,
+        self.profile.append({"step": step.label, "wall_s": done - self._started,
                              "nodes_compute_s": sum(compute),
                              "max_node_compute_s": max(compute, default=0.0),
                              "nodes_decode_s": sum(decode), "server_s": done - received})
         return None, MetricRecord({k: float(v) for k, v in report.items()
                                    if isinstance(v, (int, float))})
 
-    def configure_evaluate(self, server_round, arrays, config, grid):
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
         return []  # evaluation is the algorithm's own final step
 
-    def aggregate_evaluate(self, server_round, replies):
+    def aggregate_evaluate(self, server_round: int,
+                           replies: Iterable[Message]) -> MetricRecord | None:
         return None
 
     def summary(self) -> None:
@@ -138,8 +154,11 @@ class PrivateStrategy(Strategy):
                              failure="unavailable" if lost else "node-error")
         try:
             metrics = reply.content[P.METRICS]
-            totals = {name: array.numpy() for name, array in reply.content[P.ARRAYS].items()}
-            extra = {k[len(P.METRIC_PREFIX):]: float(v) for k, v in metrics.items()
+            record = reply.content[P.ARRAYS]
+            if not isinstance(record, ArrayRecord):
+                raise TypeError(f"{P.ARRAYS} is a {type(record).__name__}, not an ArrayRecord")
+            totals = {name: array.numpy() for name, array in record.items()}
+            extra = {k[len(P.METRIC_PREFIX):]: float(_scalar(v)) for k, v in metrics.items()
                      if k.startswith(P.METRIC_PREFIX)}
             contrib = UserContribution(totals, _count(metrics[P.KEY_NUM_USERS]),
                                        _count(metrics[P.KEY_NUM_CLIPPED]), extra or None)
@@ -148,7 +167,7 @@ class PrivateStrategy(Strategy):
         return NodeReply(pid, contrib)
 
     # -- the whole run ------------------------------------------------------------------------
-    def run(self, grid: Grid) -> dict:
+    def run(self, grid: Grid) -> dict[str, Any]:
         started = time.perf_counter()
         while (step := self.server.next_step()) is not None:
             number = self.server.completed + 1

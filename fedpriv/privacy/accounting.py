@@ -164,7 +164,8 @@ def epsilon_of(
 
 
 @lru_cache(maxsize=4096)
-def _epsilon_cached(items: tuple[tuple[EventKey, int], ...], delta: float, kind: str, relation: str) -> float:
+def _epsilon_cached(items: tuple[tuple[EventKey, int], ...], delta: float, kind: str,
+                    relation: str) -> float:
     counts = dict(items)
     acc = make_accountant(kind, relation, sampled=any(q < 1.0 for _, q in counts))
     acc.compose(composed_event(counts, relation))

@@ -179,7 +179,7 @@ def plan_rdp(counts: Mapping[EventKey, int], relation: str = "add-remove",
     return np.asarray(accountant.rdp, dtype=np.float64)
 
 
-def repeat_and_select_rdp(curve: Sequence[float], repetitions: Repetitions,
+def repeat_and_select_rdp(curve: Curve, repetitions: Repetitions,
                           orders: Sequence[float] = ORDERS) -> np.ndarray:
     """The RDP curve of releasing the best of K runs, K ~ ``repetitions``, each run with RDP
     curve ``curve`` (Papernot & Steinke, Theorems 2 and 6; see the module docstring)."""
@@ -217,7 +217,7 @@ def rdp_epsilon(curve: Curve, delta: float,
     return float(eps), float(order)
 
 
-def selection_epsilon(curves: Sequence[Sequence[float]], repetitions: Repetitions, delta: float,
+def selection_epsilon(curves: Sequence[Curve], repetitions: Repetitions, delta: float,
                       orders: Sequence[float] = ORDERS) -> tuple[float, float]:
     """(epsilon, optimal order) at ``delta`` of the random-stopping selection whose candidates
     are drawn from configurations with these RDP curves (their pointwise maximum bounds a

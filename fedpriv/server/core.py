@@ -15,14 +15,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from fedpriv.algorithms.base import Part, Step, UserContribution
+from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.configure import config_defaults
-from fedpriv.evaluation import EVALUATE, algorithm_for
+from fedpriv.evaluation import EVALUATE, EvaluatedAlgorithm, algorithm_for
 from fedpriv.faults import failing_partitions
 from fedpriv.privacy.accounting import Accountant
 from fedpriv.server.release import Releaser, calibrate
@@ -39,14 +39,14 @@ class PrivateServer:
                  log: Callable[[str], None] = print, checkpoint_path: Path | None = None) -> None:
         self.config, self.num_partitions = config, num_partitions
         self.log, self.checkpoint_path = log, checkpoint_path
-        self.algorithm: Any = algorithm_for(config)(config)
+        self.algorithm: Algorithm[Any] = algorithm_for(config)(config)
         self.plan = self.algorithm.privacy_plan()
         calibrated = calibrate(config, self.plan)
         releases = [s for s in self.steps() if s.release is not None]
         self.release = Releaser(config, self.algorithm, self.plan, calibrated,
                                 releases[-1].label if releases else None)
         self.replies = ReplyChecker()
-        self.rounds: list[dict] = []  # one report per step done
+        self.rounds: list[dict[str, Any]] = []  # one report per step done
         self.metrics: dict[str, float] = {}  # the final step's
         # who each node hosts, where that is public; else (natural users of a file, which the
         # server does not read) each node's count is its own reply's, and the missing-node
@@ -57,7 +57,7 @@ class PrivateServer:
                                  if cls.public_hosting(config) else {})
         self._hosted = ({p: len(ids) for p, ids in self._partition_users.items()}
                         or dict.fromkeys(range(num_partitions), 1))
-        self._expected_cache: tuple[str, dict[int, int]] | None = None
+        self._expected_cache: tuple[str, dict[int, int | None]] | None = None
         self.resumed_from: int | None = None
         self.store = CheckpointStore(checkpoint_path)  # locked: one server per checkpoint
         try:
@@ -146,7 +146,8 @@ class PrivateServer:
         return self._expected_cache[1]
 
     # ----- one step --------------------------------------------------------------------------
-    def aggregate(self, step: Step, replies: Sequence[NodeReply], started: float) -> dict:
+    def aggregate(self, step: Step, replies: Sequence[NodeReply],
+                  started: float) -> dict[str, Any]:
         """Check the replies, release the step (noise, accounting), checkpoint, report."""
         if step != self.pending_steps()[0]:
             raise RuntimeError(f"step {step.label} is out of order; next is "
@@ -161,8 +162,10 @@ class PrivateServer:
         report = step_report(step, len(accepted), self.num_partitions, users,
                              self.rejections - rejections)
         if step.is_final:
-            keys = accepted[0].metrics.keys() if accepted else []
-            sums = {k: sum(a.metrics[k] for a in accepted) for k in keys}
+            # every accepted reply of a metrics step has the same metrics (ReplyChecker)
+            metrics = [a.metrics for a in accepted if a.metrics is not None]
+            keys = metrics[0].keys() if metrics else []
+            sums = {k: sum(m[k] for m in metrics) for k in keys}
             if users == 0:  # keep the run (and its ledger); there is nothing to measure
                 self.metrics = {}
                 report["error"] = f"no node answered the {step.label} evaluation"
@@ -245,7 +248,7 @@ class PrivateServer:
         """Release the checkpoint lock (a process that dies releases it too)."""
         self.store.close()
 
-    def results(self, wall_time_s: float, runtime: str) -> dict:
+    def results(self, wall_time_s: float, runtime: str) -> dict[str, Any]:
         return results_dict(
             self.config, num_nodes=self.num_partitions, runtime=runtime,
             private=self.algorithm.private, epsilon=self.release.epsilon(), pure=self.pure,
@@ -264,7 +267,9 @@ class PrivateServer:
         entry = next(e for e in self.accountant.ledger if e["release"] == EVALUATE)
         stds = ({p["name"]: p["noise_std"] for p in entry["parts"]} if "parts" in entry
                 else dict.fromkeys(noisy, entry["noise_std"]))
-        bounds = self.algorithm.evaluation_bounds(self.config)
+        # it released private metrics, so it is a with_evaluation class, whose steps read
+        # evaluation_bounds (the type checker cannot follow the class made at run time)
+        bounds = cast(EvaluatedAlgorithm, self.algorithm).evaluation_bounds(self.config)
         scale = report["evaluation_scale"]  # public: users hosted / users that answered
         return {name: {"value": value, "exact_clipped": report[f"exact_private_{name}"],
                        "clip": bounds[name], "noise_std": stds[name] * scale,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.base import Step
+from fedpriv.algorithms.base import Algorithm, Step
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import EVALUATE
 from fedpriv.privacy.accounting import (
@@ -76,7 +76,8 @@ class Releaser:
     ``last_release``: the label of the run's last release (its epsilon is always evaluated).
     """
 
-    def __init__(self, config: RunConfig, algorithm: Any, plan: Sequence[PlannedRelease],
+    def __init__(self, config: RunConfig, algorithm: Algorithm[Any],
+                 plan: Sequence[PlannedRelease],
                  calibrated: Sequence[float], last_release: str | None) -> None:
         self.config, self.algorithm, self.last_release = config, algorithm, last_release
         self.has_plan = bool(plan)
@@ -135,11 +136,11 @@ class Releaser:
         the noise the start-up check composed into the projected epsilon (the caller checks
         that it is the next pending step), so the run cannot spend more than that projection,
         which is within the ceiling."""
-        verified = self.verified
-        if step.release not in verified or value != verified[step.release]:
+        planned = self.verified.get(step.release) if step.release is not None else None
+        if planned is None or value != planned:
             raise BudgetExceededError(
                 f"release {step.label} would use {value!r} for plan entry {step.release!r}, "
-                f"not the {verified.get(step.release)!r} the budget check verified; it was not "
+                f"not the {planned!r} the budget check verified; it was not "
                 "released and the run stops")
 
     def guard(self, spent: float) -> None:
@@ -229,9 +230,10 @@ class Releaser:
         if step.release is None or not (self.config.rescale_missing_nodes and opted_in):
             return 1.0
         sampled = self.algorithm.charge(step)[1] < 1.0
-        if sampled or any(v is None for v in participating.values()):
+        known = {p: n for p, n in participating.items() if n is not None}
+        if sampled or len(known) != len(participating):  # sampled, or a count not public
             return missing_node_scale(hosted, answered)
-        return missing_node_scale(participating, answered)  # type: ignore[arg-type]
+        return missing_node_scale(known, answered)
 
     def epsilon(self) -> float | None:
         """Epsilon spent so far; None if anything was released without noise."""

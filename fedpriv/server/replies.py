@@ -175,7 +175,8 @@ class ReplyChecker:
                 rejected.append(Rejection(reply.partition_id, *problem))
                 continue
             seen.add(reply.partition_id)
-            accepted.append(reply.contribution)  # type: ignore[arg-type]  # checked above
+            assert reply.contribution is not None  # reply_problem refuses a reply without one
+            accepted.append(reply.contribution)
         return CheckedReplies(accepted, seen, rejected)
 
     def bounded_sum(self, part: Part, accepted: Sequence[UserContribution]) -> np.ndarray:

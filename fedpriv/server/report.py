@@ -57,7 +57,8 @@ def progress_line(report: Mapping[str, Any], total_steps: int, done: int) -> str
 
 def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bool,
                  epsilon: float | None, pure: bool, multipliers: Mapping[str, float],
-                 ledger: list[dict], metrics: dict[str, float], rounds: list[dict],
+                 ledger: list[dict[str, Any]], metrics: dict[str, float],
+                 rounds: list[dict[str, Any]],
                  rejections: Mapping[str, int], bounded: int, resumed_from: int | None,
                  server_state: dict[str, Any], wall_time_s: float,
                  private_metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:

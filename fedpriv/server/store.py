@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from fedpriv import checkpoint
+from fedpriv.algorithms.base import Algorithm
 from fedpriv.checkpoint import CheckpointError
 from fedpriv.config import PLUGIN_CONFIG, resumable_keys
 
 
-def algorithm_state(algorithm: Any) -> dict[str, Any]:
+def algorithm_state(algorithm: Algorithm[Any]) -> dict[str, Any]:
     """The algorithm's server state: its attributes, less the config and cached values that
     are recomputed from the config."""
     cached = {name for cls in type(algorithm).__mro__ for name, value in vars(cls).items()

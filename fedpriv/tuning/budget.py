@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from fedpriv.configure import parse_config
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import (
     EventKey,
     InfeasiblePlanError,
+    PlannedRelease,
     calibrate_gaussian_plan,
     epsilon_of,
     plan_counts,
@@ -59,8 +59,8 @@ def point_counts(spec: TuneSpec, epsilon: float,
     per-candidate target ``epsilon`` as the server will (``confirm=False``: without the PLD
     confirmation of an unsampled plan's closed form, for the search); points with the same plan
     share one calibration."""
-    cache: dict[tuple, dict[EventKey, int]] = {}
-    out = {}
+    cache: dict[tuple[tuple[PlannedRelease, ...], str, str], dict[EventKey, int]] = {}
+    out: dict[int, dict[EventKey, int]] = {}
     for i, point in enumerate(spec.points):
         config = parse_config(spec.candidate_values(point, epsilon), strict=True)
         plan = tuple(algorithm_for(config)(config).privacy_plan())
@@ -88,9 +88,9 @@ def total_epsilon(spec: TuneSpec, epsilon: float, composed: Sequence[int] = (),
     relation = spec.base.get("neighbouring-relation", "add-remove")
     if spec.method == "random-stopping":
         curves = [plan_rdp(c, relation) for c in _distinct(counts.values())]
-        eps, order = selection_epsilon(curves, spec.repetitions, spec.delta)
+        eps, order = selection_epsilon(curves, spec.law, spec.delta)
         return eps, order, counts
-    total: Counter = Counter()
+    total: Counter[EventKey] = Counter()
     for i in composed:
         total.update(counts[i])
     return epsilon_of(dict(total), spec.delta, "pld", relation), None, counts
@@ -100,7 +100,8 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
     """The largest per-candidate epsilon whose tuning stays within the total target."""
     target = spec.epsilon
 
-    def spent(eps_c: float, confirm: bool = False) -> tuple[float, float | None, dict]:
+    def spent(eps_c: float, confirm: bool = False) -> tuple[float, float | None,
+                                                             dict[int, dict[EventKey, int]]]:
         try:
             return total_epsilon(spec, eps_c, composed, confirm)
         except InfeasiblePlanError as err:
@@ -150,7 +151,7 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
     return Budget(lo, final[0], final[1], final[2], len(composed))
 
 
-def _distinct(items: Any) -> list[dict[EventKey, int]]:
+def _distinct(items: Iterable[dict[EventKey, int]]) -> list[dict[EventKey, int]]:
     seen, out = set(), []
     for counts in items:
         key = tuple(sorted(counts.items()))

@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpriv.config_files import toml_value
 from fedpriv.configure import parse_config
@@ -46,6 +46,9 @@ from fedpriv.privacy.accounting import EventKey
 from fedpriv.tuning.budget import Budget, calibrate_tuning
 from fedpriv.tuning.spec import TuneSpec
 
+if TYPE_CHECKING:
+    from fedpriv.launcher import FlowerSession
+
 _NOISE_SEEDS = 2**31 - 1
 
 
@@ -54,7 +57,7 @@ def draw_candidates(spec: TuneSpec) -> tuple[list[int], list[int]]:
     random stopping, the grid (or ``candidates`` draws) for compose-all."""
     rng = spec.draws()
     if spec.method == "random-stopping":
-        count = spec.repetitions.sample(rng)
+        count = spec.law.sample(rng)
     else:
         count = spec.candidates
     if spec.method == "compose-all" and spec.search == "grid":
@@ -79,7 +82,8 @@ def run_tuning(spec: TuneSpec, out: Path, engine: str = "inprocess",
     ledgers: list[dict[str, Any]] = []
     started = time.perf_counter()
 
-    def one(index: int, point_index: int, seed: int, session: Any = None) -> None:
+    def one(index: int, point_index: int, seed: int,
+            session: FlowerSession | None = None) -> None:
         point = spec.points[point_index]
         values = spec.candidate_values(point, budget.candidate_epsilon, seed)
         path = cand_dir / f"candidate-{index:03d}.json"
@@ -113,7 +117,7 @@ def run_tuning(spec: TuneSpec, out: Path, engine: str = "inprocess",
 
 
 def plan_line(spec: TuneSpec, budget: Budget) -> str:
-    how = (f"random stopping (Papernot & Steinke 2022), K ~ {spec.repetitions.describe()}"
+    how = (f"random stopping (Papernot & Steinke 2022), K ~ {spec.law.describe()}"
            if spec.method == "random-stopping" else
            f"every candidate run once and composed ({budget.composed} candidates)")
     return (f"fedpriv tune {spec.name}: {len(spec.points)} points over {list(spec.space)}; "
@@ -148,7 +152,8 @@ def _clear(out: Path) -> None:
             old.unlink()
 
 
-def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[str, Any]:
+def _run(values: dict[str, Any], path: Path, engine: str,
+         session: FlowerSession | None) -> dict[str, Any]:
     config = parse_config(values, strict=True)
     if engine != "flower":
         results = run_in_process(config, log=lambda _: None)
@@ -161,15 +166,16 @@ def _run(values: dict[str, Any], path: Path, engine: str, session: Any) -> dict[
         raise RuntimeError(f"the Flower run of {path.name} failed")
     for beside in run_files(path)[1:]:  # a candidate's own release (and curve) is not kept:
         beside.unlink(missing_ok=True)  # the in-process candidates write the report alone
-    return json.loads(path.read_text())
+    flower_results: dict[str, Any] = json.loads(path.read_text())
+    return flower_results
 
 
 def _check_ledger(results: dict[str, Any], accounted: dict[EventKey, int], index: int) -> None:
     """The candidate released exactly what the tuning's budget accounted for, per user: the
     releases every user is in, plus those of each disjoint user group (as the accountant
     composes them)."""
-    common: Counter = Counter()
-    groups: dict[int, Counter] = {}
+    common: Counter[EventKey] = Counter()
+    groups: dict[int | None, Counter[EventKey]] = {}  # None: no groups (every user)
     for e in results["privacy"]["ledger"]:
         key = (float(e["noise_multiplier"]), float(e.get("sampling_rate", 1.0)))
         members = e.get("user_groups") or ([] if e.get("user_group") is None
@@ -242,7 +248,7 @@ def privacy_of_tuning(spec: TuneSpec, budget: Budget) -> dict[str, Any]:
         doc.update({
             "method": "random stopping (Papernot & Steinke, ICLR 2022): K candidates drawn "
                       "from the space, only the best released; K and the others stay secret",
-            "candidates": spec.repetitions.describe(),
+            "candidates": spec.law.describe(),
             "accounting": "each candidate's RDP curve from dp-accounting's RDP accountant (the "
                           "maximum over the space's plans), Papernot & Steinke's bound, "
                           "converted to (epsilon, delta)",

@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ import numpy as np
 from fedpriv.config import CORE, ConfigError, default_mapping
 from fedpriv.config_files import parse_overrides, read_config_file
 from fedpriv.configure import algorithm_params, parse_config, select_keys
+from fedpriv.params import Param
 from fedpriv.privacy.accounting import InfeasiblePlanError
 from fedpriv.privacy.selection import DISTRIBUTIONS, Repetitions
 
@@ -102,6 +104,13 @@ class TuneSpec:
         if noise_seed is not None and not values.get("secure-noise"):
             values["noise-seed"] = int(noise_seed)
         return values
+
+    @property
+    def law(self) -> Repetitions:
+        """The law of K (random stopping: ``load_tune`` always sets it)."""
+        if self.repetitions is None:
+            raise ValueError(f"method {self.method}: only random stopping draws K")
+        return self.repetitions
 
     @property
     def secure(self) -> bool:
@@ -226,7 +235,7 @@ def _space(raw: Any, algorithm: str) -> dict[str, tuple[Any, ...]]:
         known = True
     except ConfigError:
         known = False  # the unknown algorithm is reported when the points are parsed
-    space = {}
+    space: dict[str, tuple[Any, ...]] = {}
     for key, spec in raw.items():
         if known and key not in own:
             raise ConfigError(f"[tune.space] {key}: not a key of {algorithm} (`fedpriv "
@@ -252,7 +261,7 @@ def _space(raw: Any, algorithm: str) -> dict[str, tuple[Any, ...]]:
     return space
 
 
-def _range(key: str, spec: dict[str, Any], param: Any) -> tuple[Any, ...]:
+def _range(key: str, spec: dict[str, Any], param: Param | None) -> tuple[Any, ...]:
     unknown = sorted(set(spec) - set(_RANGE_KEYS))
     if unknown or not {"low", "high", "num"} <= set(spec):
         raise ConfigError(f"[tune.space] {key}: a range is {{ low, high, num, log }} (log "
@@ -275,13 +284,14 @@ def _range(key: str, spec: dict[str, Any], param: Any) -> tuple[Any, ...]:
 
 def _choice(tune: dict[str, Any], key: str, default: str, allowed: tuple[str, ...]) -> str:
     value = tune.get(key, default)
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ConfigError(f"[tune] {key}: {value!r} is not allowed; expected one of "
                           f"{list(allowed)}")
     return value
 
 
-def _number(tune: dict[str, Any], key: str, default: Any, ok: Any, expected: str) -> float:
+def _number(tune: dict[str, Any], key: str, default: float | None, ok: Callable[[float], bool],
+            expected: str) -> float:
     value = tune.get(key, default)
     if value is None:
         raise ConfigError(f"[tune] {key}: required ({expected})")
@@ -297,13 +307,16 @@ def _check_points(spec: TuneSpec) -> None:
     for point in spec.points:
         where = ", ".join(f"{k}={v!r}" for k, v in point.items())
         try:
-            config = parse_config(spec.candidate_values(point, spec.epsilon),
-                                            strict=True)
+            config = parse_config(spec.candidate_values(point, spec.epsilon), strict=True)
             cls = algorithm_for(config)
             cls.check_inputs(config)  # every value of a data file (cached)
         except ConfigError as err:
             raise ConfigError(f"candidate ({where}): {err}") from None
-        names = cls.evaluation_bounds(config)
+        # an evaluation hook of the family (``fedpriv.evaluation``), not of every algorithm
+        if not hasattr(cls, "evaluation_bounds"):
+            raise ConfigError(f"candidate ({where}): private-metrics: {config.algorithm} "
+                              "provides no evaluation bounds")
+        names: Mapping[str, float] = cls.evaluation_bounds(config)
         if spec.score not in names:
             raise ConfigError(f"[tune] score: {spec.score!r} is not a private metric of "
                               f"{config.algorithm}; it releases {sorted(names)}")
