@@ -47,12 +47,14 @@ from torch.func import functional_call
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
 from fedpriv.algorithms.deep.problem import problem_of, user_block
-from fedpriv.config import RunConfig
+from fedpriv.configure import parse_config
 from fedpriv.registry import get_algorithm
 from fedpriv.sweep import MALLOC_ENV
 
 
 def loop_round(cfg, problem, model, block, first, second, trains):
+    """The per-user loop's round: ``trains`` = "body" (FedRep: the head fitted on the first
+    batch, the body trained on the second) or "model" (FedAvg: the whole model on both)."""
     spec, b = problem.spec, problem.batch_size
     rows = np.arange(len(block.user_ids))[:, None]
     x1, y1 = block.x[rows, first], block.y[rows, first]
@@ -113,10 +115,11 @@ def main() -> None:
           f"{'ratio':>8}")
     ceilings = []
     for name in ("deep-private-fedrep", "deep-dp-fedavg"):
-        cfg = RunConfig.from_mapping({"algorithm": name, "dataset": args.dataset,
-                                      "num-users": args.num_users, "model": args.model,
-                                      "body-steps": args.body_steps}, strict=True)
+        cfg = parse_config({"algorithm": name, "dataset": args.dataset,
+                            "num-users": args.num_users, "model": args.model,
+                            "body-steps": args.body_steps}, strict=True)
         cls, problem = get_algorithm(name), problem_of(cfg)
+        trains = cls.released_part  # what a round trains and releases: "body" or "model"
         model = torch.from_numpy(problem.spec.initial(0))
         size = cls.round_chunk(cfg, problem)  # users per vectorized call, as a node splits
         work = []
@@ -127,7 +130,7 @@ def main() -> None:
                                                    block.y.shape[1], problem.batch_size)
             work.append((block, first, second, mask))
         best = [float("inf")] * 3
-        paths = [0, 1, 2] if cls.trains == "model" else [0, 1]
+        paths = [0, 1, 2] if trains == "model" else [0, 1]
         for _ in range(args.repeats):  # best of the repeats, the paths interleaved
             for path in paths:
                 block, first, second, mask = work[1 if path == 1 else 0]
@@ -147,11 +150,10 @@ def main() -> None:
                                                    first[part], second[part], mask[part],
                                                    cfg.clip_norm)
                 else:
-                    updates = loop_round(cfg, problem, model, block, first, second, cls.trains)
+                    updates = loop_round(cfg, problem, model, block, first, second, trains)
                     out = dm.clipped_sum(updates, cfg.clip_norm)
                 best[path] = min(best[path], time.perf_counter() - t0)
-                assert out[0].shape == (problem.spec.body_size if cls.trains == "body"
-                                        else problem.spec.size,)
+                assert out[0].shape == (cls.released_size(problem.spec),)
         rates = [args.users / best[0], args.loop_users / best[1]]
         print(f"{name:<22}{size:>6}{rates[0]:>20.0f}{rates[1]:>14.0f}{rates[0] / rates[1]:>7.1f}x")
         if 2 in paths:

@@ -20,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedpriv.config import RunConfig  # noqa: E402
+
 from fedpriv.config_files import load_run_config  # noqa: E402
+from fedpriv.configure import parse_config  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
 
 # (label, config file, overrides, metric, lower is better)
@@ -39,7 +40,7 @@ CASES = [
 
 
 def run(values: dict, seed: int, rate: float, kind: str) -> dict:
-    config = RunConfig.from_mapping({**values, "seed": seed, "node-fault-rate": rate,
+    config = parse_config({**values, "seed": seed, "node-fault-rate": rate,
                                      "node-fault-kind": kind, "users-per-node": 0})
     return run_in_process(config, log=lambda _: None)
 

@@ -33,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedpriv.config import RunConfig  # noqa: E402
+
 from fedpriv.config_files import load_run_config  # noqa: E402
+from fedpriv.configure import parse_config  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
 
 RUN_MARKER_ENV = "FEDPRIV_BENCH_RUN"
@@ -228,7 +229,7 @@ def main() -> None:
               f"{'local_only':>10} {'eps_spent':>9}")
         for eps in args.epsilons:
             for seed in range(args.seeds):
-                config = RunConfig.from_mapping(load_run_config(
+                config = parse_config(load_run_config(
                     str(ROOT / "configs/private_fedrep.toml"),
                     sets + [f"epsilon={eps}", f"seed={seed}"]))
                 r = run_in_process(config, log=lambda _: None)
@@ -237,7 +238,7 @@ def main() -> None:
                       f"{m['subspace_distance']:>14.4g} {m['local_only_mse']:>10.4g} "
                       f"{r['privacy']['epsilon']:>9.4f}")
         return
-    config = RunConfig.from_mapping(load_run_config(str(ROOT / "configs/private_fedrep.toml"),
+    config = parse_config(load_run_config(str(ROOT / "configs/private_fedrep.toml"),
                                                     sets))
     start = time.perf_counter()
     local = run_in_process(config, log=lambda _: None)

@@ -27,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedpriv.config import RunConfig  # noqa: E402
+
 from fedpriv.config_files import load_run_config  # noqa: E402
+from fedpriv.configure import parse_config  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
 from fedpriv.tuning.run import run_tuning, select  # noqa: E402
 from fedpriv.tuning.spec import load_tune  # noqa: E402
@@ -68,7 +69,7 @@ def main() -> int:
         values.update({"epsilon": spec.epsilon, "delta": spec.delta,
                        "seed": spec.base.get("seed", 0), "checkpoint": False})
         t0 = time.perf_counter()
-        res = run_in_process(RunConfig.from_mapping(values, strict=True), log=lambda _: None)
+        res = run_in_process(parse_config(values, strict=True), log=lambda _: None)
         rows.append((label, res["metrics"]["population_mse"], res["privacy"]["epsilon"],
                      res["privacy"]["epsilon"], 1, time.perf_counter() - t0))
     print(f"\nn = {spec.base['num-users']}, total (epsilon {spec.epsilon:g}, delta "

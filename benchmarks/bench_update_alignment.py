@@ -35,6 +35,7 @@ from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
 from fedpriv.algorithms.deep.problem import problem_of, user_block
 from fedpriv.config import RunConfig
 from fedpriv.config_files import parse_overrides
+from fedpriv.configure import parse_config  # noqa: E402
 from fedpriv.registry import get_algorithm
 from fedpriv.server.core import check_plan
 
@@ -81,7 +82,7 @@ def main() -> None:
     print(f"{'algorithm':<22}{'P':>9}{'alignment':>11}{'z':>8}{'noise/C':>9}{'SNR/round':>11}")
     for name in args.algorithms.split(","):
         values = {**BASE, "algorithm": name, "rounds": ROUNDS.get(name, 20), **overrides}
-        config = RunConfig.from_mapping(values)
+        config = parse_config(values)
         z = check_plan(config)[0]
         if config.clip_quantile > 0:  # the update's share of the round's Gaussian
             z /= np.sqrt(1.0 - config.clip_count_share)

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_private_fedrep import ROOT, measured_run  # noqa: E402
 
-from fedpriv.cohorts import auto_num_nodes  # noqa: E402
+from fedpriv.nodes import auto_num_nodes  # noqa: E402
 
 
 def profile_rows(results: dict, started_unix: float, wall: float, actors: int) -> dict:

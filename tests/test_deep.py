@@ -242,7 +242,7 @@ def test_each_algorithms_round_equals_a_per_user_loop(algorithm, cross_fit):
     x1, y1 = block.x[rows, first], block.y[rows, first]
     x2, y2 = block.x[rows, second], block.y[rows, second]
     full = np.full(len(ids), b)
-    if cls.trains == "body":
+    if cls.released_part == "body":
         body = model[:spec.body_size]
 
         def head_fit(xs, ys):

@@ -3,15 +3,31 @@ cross-fitting's arrangement of them, each user's a function of its own key and r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.models import ModelSpec
+from fedpriv.algorithms.deep.params import LocalKeys
+from fedpriv.algorithms.deep.problem import UserBlock
 from fedpriv.randomness import user_uniforms
 
 _BATCH_PURPOSE = 0xDBA
+
+
+class LocalProblem(NamedTuple):
+    """What a chunk's local steps start from and run on, as ``deep_math.local_updates`` takes
+    them: the shared ``start`` (the body, or the whole model with ``heads`` None), each user's
+    frozen heads (n, H), or (n, k, H) with cross-fitting, and its rows x (n, r, *input), y and
+    mask (n, r)."""
+
+    start: torch.Tensor
+    heads: torch.Tensor | None
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor
 
 
 def disjoint_batches(seed: int, round_index: int, keys: np.ndarray, counts: np.ndarray,
@@ -48,11 +64,11 @@ def folds(first: np.ndarray, second: np.ndarray, k: int) -> tuple[np.ndarray, np
     return both[:, :k * g], others
 
 
-def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
-                 second: np.ndarray, mask: np.ndarray, config: Any) -> tuple:
+def cross_fitted(spec: ModelSpec, body: torch.Tensor, block: UserBlock, first: np.ndarray,
+                 second: np.ndarray, mask: np.ndarray, config: LocalKeys) -> LocalProblem:
     """FedRep's round with k-fold cross-fitting (``cross-fit = k``): per user k heads, head j
     fitted with the body frozen on every fold but j, and the body's rows fold by fold, so
-    that ``local_updates`` scores fold j with head j. (heads (n, k, H), x, y, mask)."""
+    that ``local_updates`` scores fold j with head j: (body, heads (n, k, H), x, y, mask)."""
     k = config.cross_fit
     scored, others = folds(first, second, k)
     valid, _ = folds(mask, mask, k)
@@ -66,4 +82,4 @@ def cross_fitted(spec: Any, body: torch.Tensor, block: Any, first: np.ndarray,
     train_w = weights.reshape(n, k, g)[:, fits].reshape(n * k, (k - 1) * g)
     heads = dm.fit_heads(train_feats, train_y, train_w, spec.num_classes, config.head_steps,
                          config.head_lr, bias=spec.head_bias)
-    return heads.reshape(n, k, -1), x, y, weights
+    return LocalProblem(body, heads.reshape(n, k, -1), x, y, weights)

@@ -41,7 +41,7 @@ def features(spec: ModelSpec, body: torch.Tensor, x: torch.Tensor) -> torch.Tens
     """The shared body's output (the head's input) for rows ``x`` (N, *input): (N, h)."""
     captured: list[torch.Tensor] = []
 
-    def hook(_module, inputs):
+    def hook(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         captured.append(inputs[0])
         raise _Stop
 
@@ -111,12 +111,16 @@ def fit_heads(feats: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_clas
     return torch.cat([w.reshape(n, -1), b], 1) if bias else w.reshape(n, -1)
 
 
-def _user_loss(spec: ModelSpec, params: dict, x: torch.Tensor, y: torch.Tensor,
-               mask: torch.Tensor, head: dict | None = None, groups: int = 0) -> torch.Tensor:
+Params = dict[str, torch.Tensor]  # named parameters (or a part of them), as functional_call
+
+
+def _user_loss(spec: ModelSpec, params: Params, x: torch.Tensor, y: torch.Tensor,
+               mask: torch.Tensor, head: Params | None = None, groups: int = 0) -> torch.Tensor:
     """One user's mean cross-entropy over its valid rows. ``groups = k > 0``: the head's
     tensors have a leading axis of k and head j scores the j-th of k equal groups of the rows
     (cross-fitting); else ``params`` holds the whole model."""
     if groups:
+        assert head is not None  # k heads a user: the groups' heads
         size = x.shape[0] // groups
         logits = torch.cat([
             functional_call(spec.module, {**params, **{n: t[j] for n, t in head.items()}},
@@ -139,12 +143,13 @@ def local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | No
     (n, r)."""
     body_only = heads is not None
     n = x.shape[0]
-    groups = heads.shape[1] if body_only and heads.dim() == 3 else 0
+    groups = heads.shape[1] if heads is not None and heads.dim() == 3 else 0
 
-    def loss(own: dict, head: dict, xi, yi, mi):
+    def loss(own: Params, head: Params, xi: torch.Tensor, yi: torch.Tensor,
+             mi: torch.Tensor) -> torch.Tensor:
         return _user_loss(spec, own, xi, yi, mi, head, groups)
 
-    head_params = spec.unflatten_head(heads) if body_only else {}
+    head_params = spec.unflatten_head(heads) if heads is not None else {}
     shared = vmap(grad(loss), in_dims=(None, 0, 0, 0, 0))  # step 1: every user at ``start``
     stacked = vmap(grad(loss), in_dims=(0, 0, 0, 0, 0))
     # each user's own parameters, stepped in place through per-layer views as the per-user
@@ -213,9 +218,11 @@ def head_logits(feats: torch.Tensor, heads: torch.Tensor, num_classes: int,
 
 def model_logits(spec: ModelSpec, models: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Logits of per-user whole models (n, P) on their rows x (n, r, *input)."""
-    def one(flat, xi):
-        return functional_call(spec.module, spec.unflatten(flat), (xi,))
-    return vmap(one)(models, x)
+    def one(flat: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = functional_call(spec.module, spec.unflatten(flat), (xi,))
+        return logits
+    stacked: torch.Tensor = vmap(one)(models, x)
+    return stacked
 
 
 # ----- per-user references (tests and the benchmark) -------------------------------------------
@@ -240,7 +247,7 @@ def loop_fit_heads(feats: torch.Tensor, y: torch.Tensor, counts: np.ndarray,
         opt = torch.optim.SGD(head.parameters(), lr=lr / (0.5 * sq + 0.5))
         for _ in range(steps):
             opt.zero_grad()
-            F.cross_entropy(head(feats[i, :count]), y[i, :count]).backward()
+            torch.autograd.backward(F.cross_entropy(head(feats[i, :count]), y[i, :count]))
             opt.step()
         heads.append(torch.cat([head.weight.detach().reshape(-1), head.bias.detach()]))
     return torch.stack(heads)
@@ -254,8 +261,8 @@ def loop_local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor
     head, sharing the body's parameters, head j on the j-th of k equal groups of the rows."""
     out = []
     for i, count in enumerate(counts):
-        user_heads = [None] if heads is None else (heads[i] if heads.dim() == 3
-                                                   else heads[i:i + 1])
+        user_heads: list[torch.Tensor] = [] if heads is None else list(
+            heads[i] if heads.dim() == 3 else heads[i:i + 1])
         full = start if heads is None else torch.cat([start, user_heads[0]])
         module = _module_with(spec, full)
         names = spec.names if heads is None else spec.names[:spec.num_body]
@@ -276,7 +283,7 @@ def loop_local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor
             opt.zero_grad()
             logits = torch.cat([m(x[i, j * size:(j + 1) * size])
                                 for j, m in enumerate(copies)])
-            F.cross_entropy(logits, y[i, :size * len(copies)]).backward()
+            torch.autograd.backward(F.cross_entropy(logits, y[i, :size * len(copies)]))
             opt.step()
         after = torch.cat([p.detach().reshape(-1) for p in params])
         out.append(after - start)

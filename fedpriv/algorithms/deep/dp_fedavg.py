@@ -13,20 +13,63 @@ Privacy: as deep Private FedRep (``fedpriv.algorithms.deep.deep_algorithm``).
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from fedpriv.algorithms.deep.batches import LocalProblem, take_rows
 from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
+from fedpriv.algorithms.deep.final_fit import Scores, fitted_head_scores, global_model_scores
+from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
+from fedpriv.algorithms.deep.models import ModelSpec
+from fedpriv.algorithms.deep.params import DeepConfig
+from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock
 
 
 class DeepDPFedAvg(DeepAlgorithm):
+    """A round trains and releases the whole model; the final step scores the global model as
+    it is on every user."""
+
     name = "deep-dp-fedavg"
     summary = "DP-FedAvg: one global torch model for every user (baseline)"
-    trains = "model"
-    final_fit = "none"
+    released_part = "model"
+
+    @classmethod
+    def released_size(cls, spec: ModelSpec) -> int:
+        return spec.size
+
+    @classmethod
+    def ghost_eligible(cls, spec: ModelSpec) -> bool:
+        return bool(ghost_layers(spec, body_only=False))
+
+    @classmethod
+    def local_problem(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
+                      block: UserBlock, first: np.ndarray, second: np.ndarray,
+                      mask: np.ndarray) -> LocalProblem:
+        """The whole model trained on both batches' rows (one gather)."""
+        weights = torch.from_numpy(mask).to(model.device)
+        both = np.concatenate([first, second], 1)
+        return LocalProblem(model, None, take_rows(block.x, both), take_rows(block.y, both),
+                            torch.cat([weights, weights], 1))
+
+    @classmethod
+    def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
+                     ids: np.ndarray, split: str = "test") -> Scores:
+        return global_model_scores(problem, model, ids, split)
 
 
 class DeepDPFedAvgFT(DeepDPFedAvg):
+    """DP-FedAvg's rounds; the final step fine-tunes each user's head from the global one."""
+
     name = "deep-dp-fedavg-ft"
     summary = "DP-FedAvg, then each user fine-tunes the head locally"
-    final_fit = "fine-tune"
+
+    @classmethod
+    def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
+                     ids: np.ndarray, split: str = "test") -> Scores:
+        """Each user's head fitted on all its training rows from the global head, the
+        released body frozen."""
+        start = model[problem.spec.body_size:].expand(len(ids), -1)
+        return fitted_head_scores(config, problem, model, ids, split, start)
 
 
 class DeepFedAvgFT(DeepDPFedAvgFT):

@@ -45,15 +45,21 @@ float64's 2^-53 relative, and that error would depend on the other users' rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.nn.grad import conv2d_weight as _conv2d_weight
 
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.models import ModelSpec
 from fedpriv.privacy.mechanisms import factors_from_norms
+
+# torch.nn.grad is not annotated: the one function used here, with the type it returns
+conv2d_weight: Callable[..., torch.Tensor] = _conv2d_weight
 
 
 def _plain_conv(module: nn.Module) -> bool:
@@ -91,7 +97,7 @@ def conv_user_gradients(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
                                                                       *a.shape[2:])
     grouped_out = g.reshape(n, r, *g.shape[1:]).transpose(0, 1).reshape(r, n * out,
                                                                        *g.shape[2:])
-    weight = torch.nn.grad.conv2d_weight(
+    weight = conv2d_weight(
         grouped_in, (n * out, *module.weight.shape[1:]), grouped_out, module.stride,
         module.padding, module.dilation, groups=n)
     parts = [weight.reshape(n, -1)]
@@ -153,7 +159,7 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
     try:
         with torch.enable_grad():
             leaf = start.detach().clone().requires_grad_(True)
-            if body_only:
+            if heads is not None:
                 feats = dm.features(spec, leaf, rows).reshape(n, r, -1)
                 logits = dm.head_logits(feats, heads, spec.num_classes, spec.head_bias)
             else:
@@ -173,7 +179,8 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
             handle.remove()
     sq = torch.zeros(n, dtype=torch.float64, device=x.device)
     slack = torch.zeros_like(sq)
-    layers, formed = [], []
+    layers: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    formed: list[tuple[str, nn.Conv2d, torch.Tensor]] = []  # conv layers: per-user gradients
     for owner, g in zip(owners, grads, strict=True):
         a = seen[owner][0][0].detach()
         g = torch.zeros_like(seen[owner][0][1]) if g is None else g
@@ -183,7 +190,7 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
             layer_sq = user_grads.pow(2).sum(1)
             sq += layer_sq
             slack += user_grads.shape[1] * layer_sq
-            formed.append((owner, user_grads))
+            formed.append((owner, module, user_grads))
             continue
         a64, g64 = a.reshape(n, r, -1).double(), g.reshape(n, r, -1).double()
         layer_sq, layer_slack = layer_norm_terms(a64, g64, module.bias is not None)
@@ -199,7 +206,7 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         rows_dropped = dropped.repeat_interleave(r)[:, None]
         layers = [(o, a64.masked_fill(rows_dropped, 0.0), g64.masked_fill(rows_dropped, 0.0))
                   for o, a64, g64 in layers]
-        formed = [(o, u.masked_fill(dropped[:, None], 0.0)) for o, u in formed]
+        formed = [(o, m, u.masked_fill(dropped[:, None], 0.0)) for o, m, u in formed]
     names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
     for owner, a64, g64 in layers:
@@ -207,9 +214,9 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         total[f"{owner}.weight"] = scaled.T @ a64
         if f"{owner}.bias" in names:
             total[f"{owner}.bias"] = scaled.sum(0)
-    for owner, user_grads in formed:
+    for owner, conv, user_grads in formed:
         summed = user_weights @ user_grads  # weight entries, then bias
-        size = modules[owner].weight.numel()
+        size = conv.weight.numel()
         total[f"{owner}.weight"] = summed[:size]
         if f"{owner}.bias" in names:
             total[f"{owner}.bias"] = summed[size:]

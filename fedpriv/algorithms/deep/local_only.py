@@ -12,31 +12,37 @@ the stronger of the two on the mean.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedpriv.algorithms.base import Step
 from fedpriv.algorithms.deep import deep_math as dm
-from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm, accuracy_sums, summarize
-from fedpriv.algorithms.deep.params import DATA, LOCAL, MODEL
-from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, user_block
+from fedpriv.algorithms.deep.deep_algorithm import DeepBase
+from fedpriv.algorithms.deep.final_fit import accuracy_sums, summarize
+from fedpriv.algorithms.deep.params import DeepLocalConfig
+from fedpriv.algorithms.deep.problem import DeepProblem, chunk_users, model_of, user_block
 from fedpriv.privacy.accounting import PlannedRelease
 
 
-class DeepLocalOnly(DeepAlgorithm):
+class DeepLocalOnly(DeepBase[DeepLocalConfig]):
     name = "deep-local-only"
     summary = "each user alone: a linear model on raw inputs or its own network (baseline)"
     private = False
-    defaults: ClassVar[Mapping[str, Any]] = {}  # no rounds
-    components = (DATA, MODEL, LOCAL)
+    config_type = DeepLocalConfig  # no rounds
 
     def privacy_plan(self) -> list[PlannedRelease]:
         return []
 
     def steps(self) -> list[Step]:
         return [Step("final")]
+
+    def state(self) -> dict[str, Any]:
+        """The common initialization's body (a function of the seed alone: no user's data)."""
+        body = self.model[:model_of(self.config).body_size]
+        return {"model": self.config.model, "released": "body",
+                "parameters": body.astype(float).tolist()}
 
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
         linear, model = summarize(metric_sums, "lin"), summarize(metric_sums, "own")
@@ -52,7 +58,7 @@ class DeepLocalOnly(DeepAlgorithm):
                 **accuracy_sums(none, none, none.astype(np.int64), "own")}
 
     @classmethod
-    def final_sums(cls, config: Any, problem: DeepProblem, model: torch.Tensor,
+    def final_sums(cls, config: DeepLocalConfig, problem: DeepProblem, model: torch.Tensor,
                    ids: np.ndarray) -> dict[str, float]:
         spec = problem.spec
         train, test = user_block(problem, ids, "train"), user_block(problem, ids, "test")

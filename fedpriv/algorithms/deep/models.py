@@ -16,6 +16,7 @@ model as one flat float32 vector, body entries first, then the head.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -26,6 +27,9 @@ from torch import nn
 
 from fedpriv.algorithms.deep.params import sizes
 from fedpriv.params import ConfigError
+
+# builds a model for (input shape, number of classes); a user's factory is checked after the call
+Factory = Callable[[tuple[int, ...], int], nn.Module]
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int,
@@ -55,7 +59,7 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Flatten(), nn.Linear(flat, 128), nn.ReLU(), nn.Linear(128, num_classes))
 
 
-def _factory(model: str, hidden: str):
+def _factory(model: str, hidden: str) -> Factory:
     if model == "mlp":
         widths = sizes(hidden)
         return lambda shape, classes: mlp(shape, classes, widths)
@@ -63,7 +67,8 @@ def _factory(model: str, hidden: str):
         return cnn
     module_name, _, attr = model.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        factory: Factory = getattr(importlib.import_module(module_name), attr)
+        return factory
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(f"model: cannot import {model!r}: {err}") from None
 
@@ -78,7 +83,7 @@ class ModelSpec:
     num_body: int  # the first num_body names are the body's
     input_shape: tuple[int, ...]
     num_classes: int
-    factory: Any
+    factory: Factory
     activations: int  # floats of every layer's output for one input (memory estimates)
 
     @property
@@ -155,7 +160,7 @@ def row_coupling(module: nn.Module, input_shape: tuple[int, ...]) -> str | None:
 
     def trace(batch: torch.Tensor) -> list[tuple[str, Any, torch.Tensor]]:
         seen: list[tuple[str, Any, torch.Tensor]] = []
-        def record(m: nn.Module, inputs: tuple, out: Any) -> None:
+        def record(m: nn.Module, inputs: tuple[Any, ...], out: Any) -> None:
             first = out[0] if isinstance(out, (tuple, list)) and out else out  # (out, weights)
             if isinstance(first, torch.Tensor):
                 seen.append((names[id(m)], inputs[0] if inputs else None, first))

@@ -1,11 +1,15 @@
 """Run-config keys of the deep personalization family (a torch body shared by all users, a
-personal linear head per user): the data, the model, the users' local work and the rounds.
-Algorithms list these groups in their ``components``; see ``fedpriv.params``."""
+personal linear head per user): the data, the model, the users' local work and the rounds, as
+typed component classes (``fedpriv.config``); each algorithm reads one of the composed classes
+at the end of this module (``DeepConfig``: the rounds algorithms; ``DeepLocalConfig``:
+deep-local-only). ``without_torch`` declares its stand-ins with the same classes, so this module
+imports no torch."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from fedpriv.algorithms.shared_params import (
     CLIP_NORM,
@@ -13,14 +17,15 @@ from fedpriv.algorithms.shared_params import (
     LEARNING_RATE,
     VALIDATION_SAMPLES,
 )
+from fedpriv.config import RunConfig
 from fedpriv.data.partition import SCHEMES
 from fedpriv.data.sources import SOURCES
 from fedpriv.data.tables import TABLE_FORMATS
 from fedpriv.params import (
     ConfigError,
     Param,
-    ParamGroup,
     Rule,
+    key,
     non_negative,
     one_of,
     positive,
@@ -57,144 +62,188 @@ def _part_ok(text: str) -> bool:
     return part is None or 0 <= part[0] < part[1]
 
 
-def _check_data(config: Any) -> None:
-    if config.dataset in FILE_SOURCES and not config.data_file:
-        raise ConfigError(f"data-file: dataset = \"{config.dataset}\" needs data-file (the "
-                          "path of your file)")
-    if config.data_file and config.dataset not in FILE_SOURCES:
-        raise ConfigError(f"data-file: read only with dataset = npz, csv or parquet; dataset = "
-                          f"{config.dataset!r} would ignore {config.data_file!r}")
-    if config.partition == "natural" and config.dataset not in FILE_SOURCES:
-        raise ConfigError(f"partition: 'natural' needs data with a user column (dataset = "
-                          f"npz, csv or parquet), not {config.dataset!r}")
-    if config.dataset in FILE_SOURCES and config.num_classes < 1:
-        raise ConfigError(f"num-classes: dataset = \"{config.dataset}\" needs num-classes, the "
-                          "number of classes of your labels (0..C-1): every user's head has C "
-                          "outputs, so C is public and cannot be counted from the users' rows")
-    if config.dataset not in FILE_SOURCES and config.num_classes not in (0, 10):
-        raise ConfigError(f"num-classes: {config.dataset!r} has 10 classes; leave num-classes "
-                          f"at 0 (it is {config.num_classes})")
+@dataclass(frozen=True, kw_only=True)
+class DataKeys(RunConfig):
+    component: ClassVar[str] = "deep data"
+    dataset: str = key(Param(
+        "dataset", str, "digits", "`digits` (scikit-learn's bundled 8x8 digits: the fast "
+        "default), `fashion-mnist` (Debian's dataset-fashion-mnist IDX files), or your own "
+        "file (data-file): `npz`, `csv` or `parquet`", *one_of(SOURCES)))
+    data_dir: str = key(Param(
+        "data-dir", str, "", "folder of the Fashion-MNIST IDX files; `\"\"` = "
+        "/usr/share/datasets/fashion-mnist", public=False))
+    data_file: str = key(Param(
+        "data-file", str, "", "your own data: dataset = \"npz\": a .npz with x_train, "
+        "y_train, x_test, y_test [, user_train, user_test]; `csv` / `parquet`: a table with "
+        "columns user, split (train/test), label and numeric features. A SuperNode's node "
+        "config may name its own copy (`data-file=...`): the node then reads only its own "
+        "users' rows", public=False))
+    data_part: str = key(Param(
+        "data-part", str, "", "csv/parquet: `\"\"` = every row; `i/N` = only the rows of "
+        "the users of node partition i of N (set by the ClientApp when the node config names "
+        "a data-file)", _part_ok, "\"\" or i/N with 0 <= i < N", public=False))
+    partition: str = key(Param(
+        "partition", str, "label-skew", "how rows become users: `label-skew` (S classes per "
+        "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column: "
+        "every user of the file takes part; num-users is then the public population n the "
+        "releases divide by)",
+        *one_of(SCHEMES)))
+    classes_per_user: int = key(Param(
+        "classes-per-user", int, 5, "S of label-skew", positive, "an integer >= 1"))
+    dirichlet_alpha: float = key(Param(
+        "dirichlet-alpha", float, 0.5, "alpha of the dirichlet partition", positive,
+        "a number > 0"))
+    input_shape: str = key(Param(
+        "input-shape", str, "", "the shape of one input, comma-separated (e.g. `1,28,28`: "
+        "a table's 784 feature columns as one-channel 28 x 28 images, for `model = \"cnn\"`); "
+        "`\"\"` = as the data holds it. Its product must equal the data's feature count",
+        _sizes_ok, "\"\" or comma-separated integers > 0"))
+    num_classes: int = key(Param(
+        "num-classes", int, 0, "the number of classes C of a data file's labels (0..C-1; "
+        "required there, public: every user's head has C outputs, and a label outside is "
+        "refused before the run); `0` = the built-in dataset's 10", non_negative,
+        "an integer >= 0"))
+    max_rows_per_user: int = key(Param(
+        "max-rows-per-user", int, 1000, "the most training (and test) rows one user "
+        "brings: a user with more keeps a seeded choice of its own rows. Public: it bounds "
+        "what one user adds to its node's work, so that no user's data can make its node "
+        "miss node-timeout", positive, "an integer >= 1"))
+    validation_samples_per_user: int = key(VALIDATION_SAMPLES)
+
+    def check_keys(self) -> None:
+        if self.dataset in FILE_SOURCES and not self.data_file:
+            raise ConfigError(f"data-file: dataset = \"{self.dataset}\" needs data-file (the "
+                              "path of your file)")
+        if self.data_file and self.dataset not in FILE_SOURCES:
+            raise ConfigError(f"data-file: read only with dataset = npz, csv or parquet; "
+                              f"dataset = {self.dataset!r} would ignore {self.data_file!r}")
+        if self.partition == "natural" and self.dataset not in FILE_SOURCES:
+            raise ConfigError(f"partition: 'natural' needs data with a user column (dataset = "
+                              f"npz, csv or parquet), not {self.dataset!r}")
+        if self.dataset in FILE_SOURCES and self.num_classes < 1:
+            raise ConfigError(f"num-classes: dataset = \"{self.dataset}\" needs num-classes, "
+                              "the number of classes of your labels (0..C-1): every user's "
+                              "head has C outputs, so C is public and cannot be counted from "
+                              "the users' rows")
+        if self.dataset not in FILE_SOURCES and self.num_classes not in (0, 10):
+            raise ConfigError(f"num-classes: {self.dataset!r} has 10 classes; leave "
+                              f"num-classes at 0 (it is {self.num_classes})")
 
 
-DATA = ParamGroup("deep data", (
-    Param("dataset", str, "digits", "`digits` (scikit-learn's bundled 8x8 digits: the fast "
-          "default), `fashion-mnist` (Debian's dataset-fashion-mnist IDX files), or your own "
-          "file (data-file): `npz`, `csv` or `parquet`", *one_of(SOURCES)),
-    Param("data-dir", str, "", "folder of the Fashion-MNIST IDX files; `\"\"` = "
-          "/usr/share/datasets/fashion-mnist", public=False),
-    Param("data-file", str, "", "your own data: dataset = \"npz\": a .npz with x_train, "
-          "y_train, x_test, y_test [, user_train, user_test]; `csv` / `parquet`: a table with "
-          "columns user, split (train/test), label and numeric features. A SuperNode's node "
-          "config may name its own copy (`data-file=...`): the node then reads only its own "
-          "users' rows", public=False),
-    Param("data-part", str, "", "csv/parquet: `\"\"` = every row; `i/N` = only the rows of "
-          "the users of node partition i of N (set by the ClientApp when the node config names "
-          "a data-file)", _part_ok, "\"\" or i/N with 0 <= i < N", public=False),
-    Param("partition", str, "label-skew", "how rows become users: `label-skew` (S classes per "
-          "user, equal shards), `dirichlet` (alpha), `iid`, `natural` (the data's user column: "
-          "every user of the file takes part; num-users is then the public population n the "
-          "releases divide by)",
-          *one_of(SCHEMES)),
-    Param("classes-per-user", int, 5, "S of label-skew", positive, "an integer >= 1"),
-    Param("dirichlet-alpha", float, 0.5, "alpha of the dirichlet partition", positive,
-          "a number > 0"),
-    Param("input-shape", str, "", "the shape of one input, comma-separated (e.g. `1,28,28`: "
-          "a table's 784 feature columns as one-channel 28 x 28 images, for `model = \"cnn\"`); "
-          "`\"\"` = as the data holds it. Its product must equal the data's feature count",
-          _sizes_ok, "\"\" or comma-separated integers > 0"),
-    Param("num-classes", int, 0, "the number of classes C of a data file's labels (0..C-1; "
-          "required there, public: every user's head has C outputs, and a label outside is "
-          "refused before the run); `0` = the built-in dataset's 10", non_negative,
-          "an integer >= 0"),
-    Param("max-rows-per-user", int, 1000, "the most training (and test) rows one user "
-          "brings: a user with more keeps a seeded choice of its own rows. Public: it bounds "
-          "what one user adds to its node's work, so that no user's data can make its node "
-          "miss node-timeout", positive, "an integer >= 1"),
-    VALIDATION_SAMPLES,
-), _check_data)
+@dataclass(frozen=True, kw_only=True)
+class ModelKeys(RunConfig):
+    component: ClassVar[str] = "deep model"
+    model: str = key(Param(
+        "model", str, "mlp", "`mlp`, `cnn` (two conv layers; image data), or "
+        "`package.module:factory` called as factory(input_shape, num_classes) -> "
+        "torch.nn.Module; its last Linear layer is the personal head, the rest the body"))
+    hidden_sizes: str = key(Param(
+        "hidden-sizes", str, "256,128", "mlp: hidden layer widths, comma-separated",
+        _sizes_ok, "comma-separated integers > 0"))
+    device: str = key(Param(
+        "device", str, "auto", "`auto` (cuda when available), `cpu` or `cuda`",
+        *one_of(DEVICES)))
+    chunk_mb: float = key(Param(
+        "chunk-mb", float, 512.0, "memory budget of one vectorized chunk of users: a node "
+        "computes its users in chunks whose estimated working set fits it", positive,
+        "a number > 0"))
+
+    def check_keys(self) -> None:
+        if self.model not in ("mlp", "cnn") and ":" not in self.model:
+            raise ConfigError(f"model: {self.model!r} is not `mlp`, `cnn` or an import path "
+                              "`package.module:function`")
 
 
-def _check_model(config: Any) -> None:
-    if config.model not in ("mlp", "cnn") and ":" not in config.model:
-        raise ConfigError(f"model: {config.model!r} is not `mlp`, `cnn` or an import path "
-                          "`package.module:function`")
+@dataclass(frozen=True, kw_only=True)
+class LocalKeys(RunConfig):
+    component: ClassVar[str] = "deep local work"
+    local_batch_size: str = key(Param(
+        "local-batch-size", str, "max", "b of each of the two disjoint batches per round: "
+        "`max` (a data file: 32; a built-in dataset: half its partition's smallest user's "
+        "training rows, at most 32) or an integer. A user with fewer than 2b training rows "
+        "uses batches of half its rows (its own computation only)",
+        lambda x: x == "max" or (x.isdigit() and int(x) >= 1), "'max' or an integer >= 1"))
+    head_steps: int = key(Param(
+        "head-steps", int, 100, "gradient steps of a user's head fit (body frozen) per "
+        "round; too few leave the head under-fitted and the accuracy lower",
+        non_negative, "an integer >= 0"))
+    head_lr: float = key(Param(
+        "head-lr", float, 1.0, "step size of the head fits in units of 1/L (L bounds the "
+        "smoothness of the user's loss in its head, from its own features): <= 1 never "
+        "diverges", positive, "a number > 0"))
+    cross_fit: int = key(Param(
+        "cross-fit", int, 2, "FedRep's rounds: 0 = the paper's split (the head fitted on the "
+        "first batch, the body's gradient on the second); k >= 2 = k-fold cross-fitting: "
+        "both batches' 2b rows in k folds, head j fitted on the other k - 1 folds and the "
+        "body's gradient on fold j through head j (every row reaches the body, no head "
+        "scores a row it was fitted on; k head fits a round). Methods without per-round "
+        "head fits ignore it", lambda k: k == 0 or k >= 2, "0 or an integer >= 2"))
+    body_steps: int = key(Param(
+        "body-steps", int, 1, "local steps of a user's body (or model) update per round on "
+        "its second batch", positive, "an integer >= 1"))
+    local_lr: float = key(Param(
+        "local-lr", float, 0.1, "step size of the users' local body (or model) steps",
+        positive, "a number > 0"))
+    final_head_steps: int = key(Param(
+        "final-head-steps", int, 100, "gradient steps of each user's final head fit on all "
+        "its training rows (FedRep and the -ft baselines); local-only: steps of training "
+        "alone", positive, "an integer >= 1"))
 
 
-MODEL = ParamGroup("deep model", (
-    Param("model", str, "mlp", "`mlp`, `cnn` (two conv layers; image data), or "
-          "`package.module:factory` called as factory(input_shape, num_classes) -> "
-          "torch.nn.Module; its last Linear layer is the personal head, the rest the body"),
-    Param("hidden-sizes", str, "256,128", "mlp: hidden layer widths, comma-separated",
-          _sizes_ok, "comma-separated integers > 0"),
-    Param("device", str, "auto", "`auto` (cuda when available), `cpu` or `cuda`",
-          *one_of(DEVICES)),
-    Param("chunk-mb", float, 512.0, "memory budget of one vectorized chunk of users: a node "
-          "computes its users in chunks whose estimated working set fits it", positive,
-          "a number > 0"),
-), _check_model)
+@dataclass(frozen=True, kw_only=True)
+class RoundsKeys(RunConfig):
+    component: ClassVar[str] = "deep rounds"
+    learning_rate: float = key(LEARNING_RATE)
+    clip_norm: float = key(CLIP_NORM)
+    clipping: bool = key(CLIPPING)
+    server_momentum: float = key(Param(
+        "server-momentum", float, 0.9, "momentum of the server's step on the noisy mean "
+        "(post-processing)", lambda x: 0 <= x < 1, "a number in [0, 1)"))
+    users_per_round: int = key(Param(
+        "users-per-round", int, 0, "0 = every user every round (as the papers); m > 0 = "
+        "Poisson cohorts of expected size m, accounted with sampling amplification",
+        non_negative, "an integer >= 0"))
+    clip_quantile: float = key(Param(
+        "clip-quantile", float, -1.0, "0 = the fixed clip-norm; gamma in (0, 1) = adaptive "
+        "clipping (Andrew et al. 2021): the clip starts at clip-norm and follows the "
+        "gamma-quantile of the users' update norms, learned from a noisy count of unclipped "
+        "users released with each round; `-1` = the algorithm's default",
+        lambda x: x == -1 or 0 <= x < 1, "a number in [0, 1) (-1: the algorithm's default)",
+        fallback=0.0))
+    clip_lr: float = key(Param(
+        "clip-lr", float, 0.2, "adaptive clipping: the clip's geometric step per round, "
+        "C <- C exp(-clip-lr (noisy unclipped fraction - clip-quantile))", positive,
+        "a number > 0"))
+    clip_count_share: float = key(Param(
+        "clip-count-share", float, 0.05, "adaptive clipping: the share of each round's "
+        "privacy loss spent on the count of unclipped users (the update gets the rest)",
+        lambda x: 0 < x < 1, "a number in (0, 1)"))
+    eval_every: int = key(Param(
+        "eval-every", int, 0, "a learning curve: before the first round and every k "
+        "rounds the users fit and score their personal models with the model of that round "
+        "(the final step's work), and "
+        "the exact metrics go to the operator report and a plot beside it (not private, "
+        "nothing released, no epsilon; each costs one final fit); 0 = the final step only",
+        non_negative, "an integer >= 0"))
 
-LOCAL = ParamGroup("deep local work", (
-    Param("local-batch-size", str, "max", "b of each of the two disjoint batches per round: `max` "
-          "(a data file: 32; a built-in dataset: half its partition's smallest user's training "
-          "rows, at most 32) or an integer. A user with fewer than 2b training rows uses "
-          "batches of half its rows (its own computation only)",
-          lambda x: x == "max" or (x.isdigit() and int(x) >= 1), "'max' or an integer >= 1"),
-    Param("head-steps", int, 100, "gradient steps of a user's head fit (body frozen) per "
-          "round; too few leave the head under-fitted and the accuracy lower",
-          non_negative, "an integer >= 0"),
-    Param("head-lr", float, 1.0, "step size of the head fits in units of 1/L (L bounds the "
-          "smoothness of the user's loss in its head, from its own features): <= 1 never "
-          "diverges", positive, "a number > 0"),
-    Param("cross-fit", int, 2, "FedRep's rounds: 0 = the paper's split (the head fitted on the "
-          "first batch, the body's gradient on the second); k >= 2 = k-fold cross-fitting: "
-          "both batches' 2b rows in k folds, head j fitted on the other k - 1 folds and the "
-          "body's gradient on fold j through head j (every row reaches the body, no head "
-          "scores a row it was fitted on; k head fits a round). Methods without per-round "
-          "head fits ignore it", lambda k: k == 0 or k >= 2, "0 or an integer >= 2"),
-    Param("body-steps", int, 1, "local steps of a user's body (or model) update per round on "
-          "its second batch", positive, "an integer >= 1"),
-    Param("local-lr", float, 0.1, "step size of the users' local body (or model) steps",
-          positive, "a number > 0"),
-    Param("final-head-steps", int, 100, "gradient steps of each user's final head fit on all "
-          "its training rows (FedRep and the -ft baselines); local-only: steps of training "
-          "alone", positive, "an integer >= 1"),
-))
-
-
-def _check_rounds(config: Any) -> None:
-    if config.users_per_round > config.num_users:
-        raise ConfigError(f"users-per-round: {config.users_per_round} exceeds num-users "
-                          f"({config.num_users})")
-    if config.clip_quantile > 0 and not config.clipping:
-        raise ConfigError("clip-quantile: adaptive clipping needs clipping = true")
+    def check_keys(self) -> None:
+        if self.users_per_round > self.num_users:
+            raise ConfigError(f"users-per-round: {self.users_per_round} exceeds num-users "
+                              f"({self.num_users})")
+        if self.clip_quantile > 0 and not self.clipping:
+            raise ConfigError("clip-quantile: adaptive clipping needs clipping = true")
 
 
-ROUNDS = ParamGroup("deep rounds", (
-    LEARNING_RATE, CLIP_NORM, CLIPPING,
-    Param("server-momentum", float, 0.9, "momentum of the server's step on the noisy mean "
-          "(post-processing)", lambda x: 0 <= x < 1, "a number in [0, 1)"),
-    Param("users-per-round", int, 0, "0 = every user every round (as the papers); m > 0 = "
-          "Poisson cohorts of expected size m, accounted with sampling amplification",
-          non_negative, "an integer >= 0"),
-    Param("clip-quantile", float, -1.0, "0 = the fixed clip-norm; gamma in (0, 1) = adaptive "
-          "clipping (Andrew et al. 2021): the clip starts at clip-norm and follows the "
-          "gamma-quantile of the users' update norms, learned from a noisy count of unclipped "
-          "users released with each round; `-1` = the algorithm's default",
-          lambda x: x == -1 or 0 <= x < 1, "a number in [0, 1) (-1: the algorithm's default)",
-          fallback=0.0),
-    Param("clip-lr", float, 0.2, "adaptive clipping: the clip's geometric step per round, "
-          "C <- C exp(-clip-lr (noisy unclipped fraction - clip-quantile))", positive,
-          "a number > 0"),
-    Param("clip-count-share", float, 0.05, "adaptive clipping: the share of each round's "
-          "privacy loss spent on the count of unclipped users (the update gets the rest)",
-          lambda x: 0 < x < 1, "a number in (0, 1)"),
-    Param("eval-every", int, 0, "a learning curve: before the first round and every k "
-          "rounds the users fit and score their personal models with the model of that round "
-          "(the final step's work), and "
-          "the exact metrics go to the operator report and a plot beside it (not private, "
-          "nothing released, no epsilon; each costs one final fit); 0 = the final step only",
-          non_negative, "an integer >= 0"),
-), _check_rounds)
+# ----- what each algorithm reads ---------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DeepLocalConfig(DataKeys, ModelKeys, LocalKeys):
+    """The data, the model and the local work: every deep algorithm (deep-local-only reads
+    nothing else)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepConfig(DeepLocalConfig, RoundsKeys):
+    """The rounds algorithms (deep Private FedRep, DP-FedAvg and their baselines)."""
 
 
 def _private_rounds(core: Mapping[str, Any]) -> int:
@@ -206,5 +255,6 @@ def _private_rounds(core: Mapping[str, Any]) -> int:
 
 # The private deep algorithms' defaults (docs/defaults.md: how they were chosen): the rounds
 # follow epsilon x the population; the rest are one setting for every size.
-PRIVATE_DEFAULTS = {"rounds": Rule(_private_rounds, "epsilon x num-users / 50, within 10..40"),
-                    "learning-rate": 0.25, "clip-quantile": 0.5}
+PRIVATE_DEFAULTS: Mapping[str, Any] = {
+    "rounds": Rule(_private_rounds, "epsilon x num-users / 50, within 10..40"),
+    "learning-rate": 0.25, "clip-quantile": 0.5}

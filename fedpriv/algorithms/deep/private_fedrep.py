@@ -24,14 +24,65 @@ leave the users.
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep.batches import LocalProblem, cross_fitted, take_rows
 from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
+from fedpriv.algorithms.deep.final_fit import Scores, fitted_head_scores
+from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
+from fedpriv.algorithms.deep.models import ModelSpec
+from fedpriv.algorithms.deep.params import DeepConfig
+from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock
 
 
 class DeepPrivateFedRep(DeepAlgorithm):
+    """A round trains and releases the body, through heads fitted on the user's own rows; the
+    final step fits each user's head from zero with the released body."""
+
     name = "deep-private-fedrep"
     summary = "Private FedRep with a torch body and personal linear heads (real data)"
-    trains = "body"
-    final_fit = "head"
+    released_part = "body"
+
+    @classmethod
+    def released_size(cls, spec: ModelSpec) -> int:
+        return spec.body_size
+
+    @classmethod
+    def ghost_eligible(cls, spec: ModelSpec) -> bool:
+        return bool(ghost_layers(spec, body_only=True))
+
+    @classmethod
+    def heads_per_user(cls, config: DeepConfig) -> int:
+        return max(1, config.cross_fit)  # k heads a user with cross-fit = k
+
+    @classmethod
+    def local_problem(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
+                      block: UserBlock, first: np.ndarray, second: np.ndarray,
+                      mask: np.ndarray) -> LocalProblem:
+        """Each user's head fitted on the first batch (body frozen), the body trained on the
+        second through it; with cross-fit = k, k heads on the folds of both batches
+        (``batches.cross_fitted``)."""
+        spec = problem.spec
+        weights = torch.from_numpy(mask).to(model.device)
+        body = model[:spec.body_size]
+        if config.cross_fit:
+            return cross_fitted(spec, body, block, first, second, mask, config)
+        x1, y1 = take_rows(block.x, first), take_rows(block.y, first)
+        n, b = y1.shape
+        feats = dm.features(spec, body, x1.reshape(n * b, *spec.input_shape))
+        heads = dm.fit_heads(feats.reshape(n, b, -1), y1, weights, spec.num_classes,
+                             config.head_steps, config.head_lr, bias=spec.head_bias)
+        return LocalProblem(body, heads, take_rows(block.x, second), take_rows(block.y, second),
+                            weights)
+
+    @classmethod
+    def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
+                     ids: np.ndarray, split: str = "test") -> Scores:
+        """Each user's head fitted from zero on all its training rows, the released body
+        frozen."""
+        return fitted_head_scores(config, problem, model, ids, split)
 
 
 class DeepFedRep(DeepPrivateFedRep):

@@ -26,14 +26,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from fedpriv.algorithms.base import partition_users
 from fedpriv.algorithms.deep.models import ModelSpec, model_spec
-from fedpriv.algorithms.deep.params import FILE_SOURCES, data_part, sizes
+from fedpriv.algorithms.deep.params import (
+    FILE_SOURCES,
+    DataKeys,
+    DeepLocalConfig,
+    data_part,
+    sizes,
+)
 from fedpriv.data.partition import (
     Partition,
     PartitionError,
@@ -146,14 +152,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def num_classes(config: Any) -> int:
+def num_classes(config: DataKeys) -> int:
     """The classes every user's head scores: the built-in dataset's, or ``num-classes`` (a
     data file's labels are not counted: one user's label must not change everybody's
     model)."""
     return BUILTIN_CLASSES.get(config.dataset) or config.num_classes
 
 
-def input_shape(config: Any) -> tuple[int, ...]:
+def input_shape(config: DataKeys) -> tuple[int, ...]:
     """One input's shape, from the dataset's metadata or the file's header (no row read), as
     ``input-shape`` gives it where set, or a ``ConfigError`` naming the key."""
     try:
@@ -170,14 +176,14 @@ def input_shape(config: Any) -> tuple[int, ...]:
     return wanted
 
 
-def model_of(config: Any) -> ModelSpec:
+def model_of(config: DeepLocalConfig) -> ModelSpec:
     """The config's model, built from public values only (the input shape, the classes): what
     the server builds, without reading any user's rows."""
     return model_spec(config.model, config.hidden_sizes, input_shape(config),
                       num_classes(config))
 
 
-def public_batch_size(config: Any) -> int:
+def public_batch_size(config: DeepLocalConfig) -> int:
     """The public b: ``local-batch-size``, or for ``max`` 32 on a data file and, on a built-in
     dataset, half its smallest user's training rows, at most 32 (its partition is a function
     of the published dataset and the keys). Reads no row of a data file."""
@@ -201,7 +207,7 @@ def _batch_size(batch: str, dataset: str, counts: Callable[[], np.ndarray]) -> i
     return b
 
 
-def problem_of(config: Any, features: bool = True) -> DeepProblem:
+def problem_of(config: DeepLocalConfig, features: bool = True) -> DeepProblem:
     """The config's problem as a node builds it (cached per process), or a ``ConfigError``
     naming the key.
 
@@ -211,11 +217,34 @@ def problem_of(config: Any, features: bool = True) -> DeepProblem:
     part = "none" if not features else (
         config.data_part if config.dataset in TABLE_FORMATS else "")
     hold = config.validation_samples_per_user if config.metrics_split == "validation" else 0
-    key = (config.dataset, config.data_dir, config.data_file, config.partition,
-           config.num_users, config.seed, config.classes_per_user, config.dirichlet_alpha,
-           config.model, config.hidden_sizes, config.local_batch_size, config.device, part,
-           config.input_shape, hold, num_classes(config), config.max_rows_per_user)
+    key = _ProblemKey(config.dataset, config.data_dir, config.data_file, config.partition,
+                      config.num_users, config.seed, config.classes_per_user,
+                      config.dirichlet_alpha, config.model, config.hidden_sizes,
+                      config.local_batch_size, config.device, part, config.input_shape, hold,
+                      num_classes(config), config.max_rows_per_user)
     return _problem(key)
+
+
+class _ProblemKey(NamedTuple):
+    """What a problem is built from (``problem_of``'s cache key)."""
+
+    dataset: str
+    data_dir: str
+    data_file: str
+    scheme: str
+    num_users: int
+    seed: int
+    classes_per_user: int
+    alpha: float
+    model: str
+    hidden: str
+    batch: str
+    device: str
+    part: str
+    shape: str
+    hold: int
+    classes: int
+    cap: int
 
 
 def node_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
@@ -240,7 +269,9 @@ def _source(dataset: str, data_dir: str, data_file: str, part: str, users: Parti
             scheme: str, keys: np.ndarray) -> Source:
     if part in ("", "none"):
         return load_source(dataset, data_dir, data_file, features=part == "")
-    own = hosted_positions(scheme, keys, len(users.train.counts), *data_part(part))
+    node = data_part(part)
+    assert node is not None  # "i/N" here ("" and "none" read every user's rows above)
+    own = hosted_positions(scheme, keys, len(users.train.counts), *node)
     need = {s: np.concatenate([rows.rows[rows.offsets[u]:rows.offsets[u + 1]] for u in own]
                               or [np.zeros(0, dtype=np.int64)])
             for s, rows in (("train", users.train), ("test", users.test))}
@@ -257,7 +288,7 @@ def _invalid_users(source: Source, users: Partition, classes: int) -> np.ndarray
 
 
 @lru_cache(maxsize=4)
-def _problem(key: tuple) -> DeepProblem:
+def _problem(key: _ProblemKey) -> DeepProblem:
     (dataset, data_dir, data_file, scheme, num_users, seed, classes_per_user, alpha, model,
      hidden, batch, device, part, shape, hold, classes, cap) = key
     try:
