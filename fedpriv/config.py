@@ -205,10 +205,18 @@ def component_groups(config_type: type[RunConfig]) -> tuple[ParamGroup, ...]:
     return tuple(groups)
 
 
+_OWN: dict[type[RunConfig], dict[str, Param]] = {}
+
+
 def own_params(config_type: type[RunConfig]) -> dict[str, Param]:
-    """The keys of ``config_type`` besides the core ones, in declaration order."""
-    legacy = config_type.__dict__.get("legacy_groups")
-    return merge_params(legacy if legacy is not None else component_groups(config_type))
+    """The keys of ``config_type`` besides the core ones, in declaration order (read-only:
+    kept per class)."""
+    own = _OWN.get(config_type)
+    if own is None:
+        legacy = config_type.__dict__.get("legacy_groups")
+        own = merge_params(legacy if legacy is not None else component_groups(config_type))
+        _OWN[config_type] = own
+    return own
 
 
 def plugin_config_type(name: str, base: type[RunConfig],

@@ -27,8 +27,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from fedpriv.config import RunConfig, component_groups, own_params, plugin_config_type
-from fedpriv.params import ConfigError, Param, ParamGroup, Rule
+from fedpriv.config import RunConfig, component_groups, plugin_config_type
+from fedpriv.params import ConfigError, Param, ParamGroup, Rule, merge_params
 from fedpriv.privacy.accounting import PlannedRelease
 from fedpriv.privacy.mechanisms import gaussian_noise, symmetric_gaussian_noise
 
@@ -169,7 +169,7 @@ class Algorithm(Generic[C]):
     @classmethod
     def declared_params(cls) -> dict[str, Param]:
         """Every key of the algorithm's components (a shared key is one declaration)."""
-        return own_params(cls.config_type)
+        return merge_params(cls.components)
 
     @classmethod
     def default_of(cls, param: Param, core: Mapping[str, Any] | None = None) -> Any:
