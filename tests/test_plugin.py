@@ -90,10 +90,10 @@ def test_a_plugin_declaring_paramgroups_gets_a_real_config_class(monkeypatch):
     dataclass extending its parent algorithm's config, its keys real fields (no __getattr__)."""
     import dataclasses
 
+    from fedpriv import registry
     from fedpriv.algorithms.personalization.params import FedRepConfig
     from fedpriv.algorithms.personalization.private_fedrep import PrivateFedRep
     from fedpriv.configure import parse_config
-    from fedpriv import registry
     from fedpriv.params import Param, ParamGroup, positive
 
     registry.available()
@@ -157,6 +157,7 @@ def test_a_plugin_config_made_from_paramgroups_pickles():
     sys.path.insert(0, str(Path(__file__).resolve().parent / "plugin_pkg"))
     try:
         from fedpriv_toy import ToyMean
+
         from fedpriv.registry import register
 
         register(ToyMean)
