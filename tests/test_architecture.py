@@ -1,8 +1,8 @@
 """The shape of the code: no import circles, no oversized files, and the layers of the commands.
 
 The import graph is read from the source (every ``import`` statement, also those inside
-functions, resolved to the project's own modules in ``fedpriv/``, ``clients/`` and
-``strategies/``), as ``../shared/tools/import_cycles.py`` reads it, so this test needs nothing
+functions, resolved to the project's own modules in ``fedpriv/``, ``clients/``,
+``strategies/`` and ``fedpriv_flwr/``), as ``../shared/tools/import_cycles.py`` reads it, so this test needs nothing
 beside the repository. ``CHECKED`` names the modules held to the rules.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedpriv", "clients", "strategies")
+PACKAGES = ("fedpriv", "clients", "strategies", "fedpriv_flwr")
 MAX_LINES = 500
 
 CHECKED: tuple[str, ...] | None = None
@@ -187,7 +187,7 @@ def test_the_core_imports_no_flower_package():
     """fedpriv is the Flower-free core: no module of it imports flwr, or Flower's other
     packages (flwr_datasets: the partitions are recomputed in NumPy)."""
     flower = {name: sorted(n for n in _imports(name) if n.split(".")[0].startswith("flwr"))
-              for name in modules() if name.startswith("fedpriv")}
+              for name in modules() if name == "fedpriv" or name.startswith("fedpriv.")}
     assert not {k: v for k, v in flower.items() if v}
 
 
@@ -199,6 +199,18 @@ def test_the_deploy_package_loads_no_flower():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_flower_app_package_builds_on_the_privacy_layer_only():
+    """fedpriv_flwr (for any Flower app) uses fedpriv's accounting, mechanisms, seeded noise and
+    checkpoint file format, never fedpriv's own runtime (its server, nodes, engines, apps)."""
+    allowed = {"fedpriv.privacy", "fedpriv.randomness", "fedpriv.checkpoint", "fedpriv.config",
+               "fedpriv.params"}
+    for name in import_graph():
+        if name.startswith("fedpriv_flwr"):
+            used = sorted(m for m in _reached(name) if m.startswith("fedpriv.")
+                          and not any(m == a or m.startswith(a + ".") for a in allowed))
+            assert not used, f"{name} reaches {used}"
 
 
 KEYS_LAYER = ("fedpriv.params", "fedpriv.config", "fedpriv.algorithms.shared_params",

@@ -6,6 +6,8 @@ Pure functions with explicit arguments. Noise always comes from a caller-supplie
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # Sums of squares outside [_SAFE_LOW, _SAFE_HIGH] may have overflowed or lost their entries to
@@ -152,3 +154,9 @@ def exponential_mechanism(scores: np.ndarray, epsilon: float, sensitivity: float
     if not np.all(np.isfinite(logits)):
         raise ValueError("exponential mechanism: non-finite scores")
     return int(np.argmax(logits + rng.gumbel(size=logits.shape)))
+
+
+def adapted_clip(clip: float, unclipped_fraction: float, quantile: float, rate: float) -> float:
+    """Andrew et al. (2021), Alg. 1: the geometric step of the clip norm towards the
+    ``quantile`` of the users' update norms, from the (noisy) fraction of unclipped users."""
+    return clip * math.exp(-rate * (unclipped_fraction - quantile))

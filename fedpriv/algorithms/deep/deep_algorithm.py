@@ -26,7 +26,6 @@ or the global head fine-tuned; ``final_fit.py``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -65,6 +64,7 @@ from fedpriv.data.sources import DatasetError, check_npz
 from fedpriv.data.tables import TABLE_FORMATS, TableError, check_table
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
+from fedpriv.privacy.mechanisms import adapted_clip
 from fedpriv.randomness import user_uniforms
 
 # accuracy_sums and disjoint_batches: imported from here by tests and benchmarks
@@ -82,12 +82,6 @@ GHOST_ROWS = 3072
 GHOST_FLOATS = 2**24
 
 DC = TypeVar("DC", bound=DeepLocalConfig)
-
-
-def adapted_clip(clip: float, unclipped_fraction: float, quantile: float, rate: float) -> float:
-    """Andrew et al. (2021), Alg. 1: the geometric step of the clip norm towards the
-    ``quantile`` of the users' update norms, from the (noisy) fraction of unclipped users."""
-    return clip * math.exp(-rate * (unclipped_fraction - quantile))
 
 
 def model_tensor(arrays: Mapping[str, np.ndarray], problem: DeepProblem) -> torch.Tensor:

@@ -1,0 +1,8 @@
+"""fedpriv inside any Flower app: a private strategy wrapper, a PLD accountant behind Flower's
+``PrivacyAccountant`` protocol with calibration to a target epsilon, and personalization for any
+ClientApp (docs/tutorials/flower-app.md)."""
+
+from fedpriv_flwr.plan import PlanError, PrivatePlan
+from fedpriv_flwr.strategy import PrivateStrategy
+
+__all__ = ["PlanError", "PrivatePlan", "PrivateStrategy"]

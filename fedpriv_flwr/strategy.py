@@ -1,0 +1,439 @@
+"""``PrivateStrategy``: user-level DP for any Flower strategy whose aggregate is a mean.
+
+Wrap the strategy of an existing ``ServerApp``::
+
+    strategy = PrivateStrategy(FedAvg(), num_users=2000, num_rounds=5, epsilon=1.0, delta=1e-5)
+    result = strategy.start(grid=grid, initial_arrays=arrays)
+
+Each round the wrapper Poisson-samples the nodes (one node = one user unless
+``multi_user_nodes``), clips each user's update, releases the noisy mean of the clipped updates
+over the expected cohort (``fedpriv_flwr.aggregate``: the sensitivity argument), and hands the
+inner strategy that one noisy mean as its only reply, so FedAvg, FedAvgM, FedProx and the FedOpt
+family (FedAdam, FedYogi, FedAdagrad) apply their own server step to it (post-processing). The
+noise multiplier is calibrated before round 1 to the target (epsilon, delta) with fedpriv's PLD
+accounting (``fedpriv_flwr.plan``); each release is composed into fedpriv's accountant and the
+run stops before a release over the ceiling. Adaptive clipping (Andrew et al. 2021) releases the
+count of unclipped users through the same Gaussian, accounted. Evaluation metrics are exact and
+go to the operator report only, unless declared private (then they are clipped, noised and
+accounted); ``exact_metrics="operator-only"`` adds them to Flower's result under an
+``operator-only/`` prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import MessageType, log
+from flwr.serverapp import Grid
+from flwr.serverapp.exception import PrivacyBudgetExhausted
+from flwr.serverapp.strategy import Result, Strategy
+
+from fedpriv import checkpoint
+from fedpriv.privacy.mechanisms import adapted_clip
+from fedpriv.randomness import server_generator
+from fedpriv_flwr.aggregate import (
+    UNCLIPPED_KEY,
+    USERS_KEY,
+    Layout,
+    RejectedReply,
+    RoundSum,
+    clip_metric,
+    noisy_mean,
+    reply_update,
+)
+from fedpriv_flwr.checks import check_inner_strategy, personal_of
+from fedpriv_flwr.outputs import release_document, write_outputs
+from fedpriv_flwr.plan import EVALUATE, ROUND, UNCLIPPED_PART, PrivatePlan, evaluate_rounds
+
+CLIP_CONFIG = "fedpriv-clip-norm"  # sent to the nodes each round (multi-user nodes clip with it)
+RATE_CONFIG = "fedpriv-sampling-rate"  # multi-user nodes sample their users with it
+_SAMPLE_STREAM = 0x5A3
+
+
+class PrivateStrategy(Strategy):
+    """User-level DP around a mean-aggregating Flower strategy (see the module docstring).
+
+    ``num_users``: the population (nodes, or users over all nodes with ``multi_user_nodes``);
+    ``epsilon``/``delta``: the target the noise is calibrated to (or give ``noise_multiplier``);
+    ``sampling_rate``: each node (user) takes part in a round independently with this
+    probability, drawn by the server (accounted as Poisson sampling; Flower's own samplers draw
+    without replacement); ``clip_quantile``: adaptive clipping; ``private_metrics``: metric name
+    -> bound of each user's value; ``personal_layers``: a regular expression of the layers the
+    nodes keep (``fedpriv_flwr.personal``): never expected from nodes, never updated;
+    ``secure_noise``: noise and sample from OS entropy (a publishable release), else from
+    ``seed``; ``checkpoint_path`` and ``resume``: continue a stopped run.
+    """
+
+    def __init__(self, strategy: Strategy, *, num_users: int, num_rounds: int,
+                 epsilon: float | None = 1.0, delta: float = 1e-5, clip_norm: float = 1.0,
+                 noise_multiplier: float | None = None, sampling_rate: float = 1.0,
+                 clip_quantile: float | None = None, clip_lr: float = 0.2,
+                 clip_count_share: float = 0.05, max_epsilon: float | None = None,
+                 relation: str = "add-remove", private_metrics: Mapping[str, float] | None = None,
+                 metrics_budget_fraction: float = 0.1,
+                 evaluate_every: int | Sequence[int] | None = None,
+                 personal_layers: str | None = None, multi_user_nodes: bool = False,
+                 user_sensitivity_factor: float = 1.0, secure_noise: bool = False,
+                 seed: int = 0, exact_metrics: str = "report",
+                 results_path: str = "results/flower-operator-report.json",
+                 checkpoint_path: str | None = None, resume: bool = False) -> None:
+        super().__init__()
+        check_inner_strategy(strategy)
+        if exact_metrics not in ("report", "operator-only"):
+            raise ValueError("exact_metrics: 'report' (operator report only) or "
+                             f"'operator-only' (also in Flower's result), got {exact_metrics!r}")
+        if multi_user_nodes and user_sensitivity_factor == 1.0 and sampling_rate < 1:
+            log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
+                sampling_rate)
+        self.strategy = strategy
+        self.plan = PrivatePlan(
+            num_users=num_users, num_rounds=num_rounds, epsilon=epsilon, delta=delta,
+            clip_norm=clip_norm, noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
+            clip_quantile=clip_quantile, clip_lr=clip_lr, clip_count_share=clip_count_share,
+            max_epsilon=max_epsilon, relation=relation, private_metrics=dict(
+                private_metrics or {}), metrics_budget_fraction=metrics_budget_fraction,
+            evaluate_rounds=evaluate_rounds(num_rounds, evaluate_every),
+            user_sensitivity_factor=user_sensitivity_factor)
+        self.personal_pattern = personal_layers
+        self.multi_user_nodes = multi_user_nodes
+        self.secure_noise, self.seed = secure_noise, seed
+        self.exact_metrics = exact_metrics
+        self.results_path = results_path
+        self.checkpoint_path = (Path(checkpoint_path).expanduser().resolve()
+                                if checkpoint_path else None)
+        self.resume = resume
+        if resume and self.checkpoint_path is None:
+            raise ValueError("resume: needs a checkpoint_path")
+        self.clip = clip_norm
+        self.accountant = self.plan.accountant()
+        self.releases = 0  # index of the next noise stream
+        self.offset = 0  # rounds done before this start (a resumed run)
+        self.rows: list[dict[str, Any]] = []
+        self.layout: Layout | None = None
+        self.personal: frozenset[str] = frozenset()
+        self.current_arrays = ArrayRecord()
+        self._sampled: dict[int, int] = {}
+        self._server_time = 0.0
+
+    # ----- Flower's Strategy -----------------------------------------------------------------
+    def summary(self) -> None:
+        p = self.plan
+        log(INFO, "\t├──> fedpriv user-level DP (PLD accounting):")
+        log(INFO, "\t│\t├── target epsilon=%s delta=%g over %d rounds, projected epsilon=%.4f",
+            p.epsilon, p.delta, p.num_rounds, p.projected_epsilon)
+        log(INFO, "\t│\t├── noise multiplier(s) %s, clip %g%s, sampling rate %g",
+            {k: round(v, 4) for k, v in p.multipliers.items()}, p.clip_norm,
+            f" (adaptive to quantile {p.clip_quantile})" if p.clip_quantile else "",
+            p.sampling_rate)
+        log(INFO, "\t│\t└── private metrics: %s", dict(p.private_metrics) or "none")
+        self.strategy.summary()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        t0 = time.perf_counter()
+        r = self.offset + server_round
+        if r > self.plan.num_rounds:
+            raise PrivacyBudgetExhausted(
+                f"round {r}: the privacy plan covers {self.plan.num_rounds} rounds; a further "
+                "release would exceed the calibrated budget")
+        self._set_model(arrays)
+        inner = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        record = inner[0].content if inner else self._record(arrays, config)
+        cfg = record.config_records.get(self._key("configrecord_key", "config"))
+        if cfg is not None:
+            cfg[CLIP_CONFIG] = float(self.clip)
+            cfg[RATE_CONFIG] = float(self.plan.sampling_rate)
+        nodes = sorted(grid.get_node_ids())
+        if self.multi_user_nodes or self.plan.sampling_rate >= 1:
+            chosen = nodes
+        else:
+            u = self._rng(_SAMPLE_STREAM, r).random(len(nodes))
+            chosen = [n for n, x in zip(nodes, u, strict=True) if x < self.plan.sampling_rate]
+        self._sampled[r] = len(chosen)
+        self._server_time += time.perf_counter() - t0
+        return [Message(record, dst_node_id=n, message_type=MessageType.TRAIN) for n in chosen]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        t0 = time.perf_counter()
+        r = self.offset + server_round
+        assert self.layout is not None, "configure_train runs first"
+        sums = self._round_sum(self.layout, replies)
+        clip_used = self.clip
+        noisy = self._release_round(r, sums)
+        new = self.layout.unflatten(self._current + noisy[0])
+        model = {k: new.get(k, v.numpy()) for k, v in self.current_arrays.items()}
+        reply = Message(RecordDict({
+            self._key("arrayrecord_key", "arrays"): ArrayRecord(
+                {k: Array(np.asarray(v)) for k, v in model.items()}),
+            "metrics": MetricRecord({self._key("weighted_by_key", "num-examples"): 1})}),
+            dst_node_id=0, message_type=MessageType.TRAIN)
+        aggregated, _ = self.strategy.aggregate_train(server_round, [reply])
+        spent = self.accountant.epsilon()
+        row: dict[str, Any] = {
+            "round": r, "epsilon_spent": spent, "clip_norm": clip_used,
+            "sampled_nodes": self._sampled.pop(r, None), "answered_nodes": sums.nodes,
+            "users": sums.users, "unclipped_users": sums.unclipped, "failed_nodes": sums.failed,
+            "rejected_nodes": dict(sums.rejected)}
+        if self.plan.clip_quantile is not None:
+            row["next_clip_norm"] = self.clip
+        self.rows.append(row)
+        self._server_time += time.perf_counter() - t0
+        row["server_seconds"] = self._server_time
+        self._server_time = 0.0
+        if aggregated is not None:
+            self._save_checkpoint(r, aggregated)
+        self._write()
+        return aggregated, MetricRecord({"epsilon": spent, "clip-norm": clip_used})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        r = self.offset + server_round
+        if r not in self.plan.evaluate_rounds:
+            return []
+        inner = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        record = inner[0].content if inner else self._record(arrays, config)
+        return [Message(record, dst_node_id=n, message_type=MessageType.EVALUATE)
+                for n in sorted(grid.get_node_ids())]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        r = self.offset + server_round
+        if r not in self.plan.evaluate_rounds:  # Flower aggregates the empty round too
+            return None
+        exact: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        answered, users = 0, 0
+        for reply in replies:
+            if reply.has_error() or len(reply.content.metric_records) != 1:
+                continue
+            metrics = next(iter(reply.content.metric_records.values()))
+            k = _count(metrics, USERS_KEY, 1) if self.multi_user_nodes else 1
+            answered, users = answered + 1, users + k
+            for name, value in metrics.items():
+                if name in (USERS_KEY, self._key("weighted_by_key", "num-examples")):
+                    continue
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    bound = self.plan.private_metrics.get(name)
+                    # private metrics: each user's value clipped (a node's sum: k users' values)
+                    v = (min(max(float(value), 0.0), k * bound) if bound is not None
+                         else float(value))
+                    exact[name] = exact.get(name, 0.0) + v
+                    counts[name] = counts.get(name, 0) + 1
+        means = {n: exact[n] / counts[n] for n in exact}
+        row: dict[str, Any] = {"round": r, "evaluated_nodes": answered,
+                               "exact_metrics": means}
+        out: dict[str, float] = {}
+        if self.plan.private_metrics:
+            out.update(self._release_metrics(r, exact, users))
+            row["private_metrics"] = dict(out)
+        self._evaluation_row(row)
+        if self.exact_metrics == "operator-only":
+            out.update({f"operator-only/{n}": v for n, v in means.items()})
+        self._write()
+        return MetricRecord(out) if out else None  # type: ignore[arg-type]
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
+              ) -> Result:
+        """Flower's loop over the planned rounds (``num_rounds`` defaults to the plan's; more
+        is refused before round 1), resumed from the checkpoint with ``resume``; prints the
+        epsilon spent (the PLD accountant's) and where the two output files are."""
+        total = self.plan.num_rounds if num_rounds is None else num_rounds
+        if total > self.plan.num_rounds:
+            raise ValueError(f"num_rounds: the privacy plan was calibrated for "
+                             f"{self.plan.num_rounds} rounds, not {total}")
+        arrays = initial_arrays
+        if self.resume and self.checkpoint_path and self.checkpoint_path.is_file():
+            arrays = self._load_checkpoint()
+            log(INFO, "fedpriv: resuming after round %d (epsilon spent %.4f)", self.offset,
+                self.accountant.epsilon())
+        result = super().start(grid, arrays, total - self.offset, timeout, train_config,
+                               evaluate_config, evaluate_fn)
+        report, release = self._write()
+        spent = self.accountant.epsilon()
+        line = (f"fedpriv: epsilon spent = {spent:.4f} at delta = {self.plan.delta:g} "
+                f"(PLD accountant, {len(self.accountant.ledger)} releases)")
+        log(INFO, line)
+        print(line, flush=True)
+        print(f"fedpriv: operator report (exact, not private; do not publish): {report}")
+        print(f"fedpriv: release (what may leave the server): {release}", flush=True)
+        if self.checkpoint_path is not None:
+            self.checkpoint_path.unlink(missing_ok=True)
+        return result
+
+    # ----- the private release ---------------------------------------------------------------
+    def _round_sum(self, layout: Layout, replies: Iterable[Message]) -> RoundSum:
+        sums = RoundSum(layout.size)
+        for reply in replies:
+            if reply.has_error():
+                sums.failed += 1
+                continue
+            try:
+                returned, metrics = self._reply_arrays(reply)
+                if USERS_KEY in metrics:
+                    if not self.multi_user_nodes:
+                        raise RejectedReply("a multi-user reply, but multi_user_nodes=False")
+                    total = reply_update(layout, np.zeros(layout.size), returned, self.personal)
+                    sums.add_node_sum(total, _count(metrics, USERS_KEY),
+                                      _count(metrics, UNCLIPPED_KEY), self.clip)
+                else:
+                    if self.multi_user_nodes:
+                        raise RejectedReply(f"no {USERS_KEY} count from a multi-user node")
+                    sums.add_user(reply_update(layout, self._current, returned, self.personal),
+                                  self.clip)
+            except RejectedReply as err:
+                sums.reject(str(err))
+                log(WARNING, "fedpriv: rejected a reply from node %d: %s",
+                    reply.metadata.src_node_id, err)
+        return sums
+
+    def _release_round(self, r: int, sums: RoundSum) -> list[np.ndarray]:
+        p = self.plan
+        z = p.multipliers[ROUND]
+        if sum(e["release"].startswith(ROUND) for e in self.accountant.ledger) >= p.num_rounds:
+            raise PrivacyBudgetExhausted(f"round {r}: every planned round was released")
+        cohort = p.expected_cohort
+        noisy, parts = [], []
+        for name, bound, z_part in p.round_parts(self.clip):
+            std = p.std(bound, z_part, cohort)
+            exact = (sums.total if name != UNCLIPPED_PART
+                     else np.array([sums.unclipped - sums.users / 2.0]))
+            noisy.append(noisy_mean(exact, cohort, std, self._noise_rng()))
+            parts.append({"name": name, "noise_multiplier": z_part, "noise_std": std,
+                          "l2_sensitivity": std / z_part})
+        spent = self.accountant.record(f"{ROUND} {r}", z, parts,
+                                       sampling_rate=p.sampling_rate)
+        self._guard(spent)
+        if p.clip_quantile is not None:
+            fraction = float(noisy[1][0]) + 0.5  # a post-processing of the noisy count
+            self.clip = adapted_clip(self.clip, fraction, p.clip_quantile, p.clip_lr)
+        return noisy
+
+    def _release_metrics(self, r: int, exact: Mapping[str, float], users: int
+                         ) -> dict[str, float]:
+        p = self.plan
+        out, parts = {}, []
+        for name, bound, z_part in p.metric_parts():
+            std = p.std(bound, z_part, p.num_users)
+            value = noisy_mean(np.array([clip_metric(exact.get(name, 0.0), users * bound)]),
+                               p.num_users, std, self._noise_rng())[0]
+            # the missing-node rescale: a public count times a noisy mean (post-processing)
+            out[name] = float(value) * (p.num_users / users if users else 1.0)
+            parts.append({"name": name, "noise_multiplier": z_part, "noise_std": std,
+                          "l2_sensitivity": std / z_part})
+        spent = self.accountant.record(f"{EVALUATE} {r}", p.multipliers[EVALUATE], parts)
+        self._guard(spent)
+        return out
+
+    def _guard(self, spent: float | None) -> None:
+        ceiling = self.plan.ceiling
+        if spent is not None and ceiling is not None and spent > ceiling * (1 + 1e-9):
+            raise PrivacyBudgetExhausted(f"epsilon spent {spent:.6g} would exceed the ceiling "
+                                         f"{ceiling:g}; the release was not published")
+
+    def _noise_rng(self) -> np.random.Generator:
+        index, self.releases = self.releases, self.releases + 1
+        if self.secure_noise:
+            return np.random.default_rng(np.random.SeedSequence())
+        return server_generator(self.seed, index)
+
+    def _rng(self, stream: int, index: int) -> np.random.Generator:
+        if self.secure_noise:
+            return np.random.default_rng(np.random.SeedSequence())
+        return np.random.default_rng([self.seed, stream, index])
+
+    # ----- helpers ---------------------------------------------------------------------------
+    def _key(self, name: str, default: str) -> str:
+        value = getattr(self.strategy, name, default)
+        return value if isinstance(value, str) else default
+
+    def _record(self, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        return RecordDict({self._key("arrayrecord_key", "arrays"): arrays,
+                           self._key("configrecord_key", "config"): config})
+
+    def _set_model(self, arrays: ArrayRecord) -> None:
+        if self.layout is None:
+            self.personal = personal_of(self.personal_pattern, list(arrays.keys()))
+            released = [k for k in arrays.keys() if k not in self.personal]
+            self.layout = Layout.of({k: v.numpy() for k, v in arrays.items()}, released)
+        self.current_arrays = arrays
+        self._current = self.layout.flatten({k: arrays[k].numpy() for k in self.layout.keys})
+
+    def _reply_arrays(self, reply: Message) -> tuple[dict[str, np.ndarray], MetricRecord]:
+        content = reply.content
+        if len(content.array_records) != 1:
+            raise RejectedReply(f"holds {len(content.array_records)} ArrayRecords, not one")
+        record = next(iter(content.array_records.values()))
+        metrics = (next(iter(content.metric_records.values())) if content.metric_records
+                   else MetricRecord())
+        return {k: v.numpy() for k, v in record.items()}, metrics
+
+    def _evaluation_row(self, row: dict[str, Any]) -> None:
+        for existing in self.rows:
+            if existing["round"] == row["round"]:
+                existing.update({k: v for k, v in row.items() if k != "round"})
+                return
+        self.rows.append(row)
+
+    def operator_report(self) -> dict[str, Any]:
+        return {"strategy": type(self.strategy).__name__, "plan": self.plan.public(),
+                "seed": self.seed, "secure_noise": self.secure_noise,
+                "epsilon": self.accountant.epsilon(), "ledger": self.accountant.ledger,
+                "rounds": self.rows}
+
+    def _write(self) -> tuple[Path, Path]:
+        release = release_document(self.plan.public(), type(self.strategy).__name__,
+                                   self.secure_noise, self.accountant.ledger,
+                                   self.accountant.epsilon(), self.rows)
+        return write_outputs(self.results_path, self.operator_report(), release)
+
+    # ----- checkpoint ------------------------------------------------------------------------
+    def _save_checkpoint(self, r: int, arrays: ArrayRecord) -> None:
+        if self.checkpoint_path is None:
+            return
+        try:
+            inner: bytes | None = pickle.dumps(self.strategy)
+        except Exception:  # a strategy holding unpicklable callables restarts its own state
+            inner = None
+        checkpoint.save(self.checkpoint_path, {
+            "completed": r, "total_steps": self.plan.num_rounds,
+            "epsilon_spent": self.accountant.epsilon(), "plan": self.plan.public(),
+            "arrays": {k: v.numpy() for k, v in arrays.items()},
+            "accountant": copy.deepcopy(self.accountant), "clip": self.clip,
+            "releases": self.releases, "rows": self.rows, "inner": inner})
+
+    def _load_checkpoint(self) -> ArrayRecord:
+        assert self.checkpoint_path is not None
+        state = checkpoint.load(self.checkpoint_path)
+        if state["plan"] != self.plan.public():
+            raise checkpoint.CheckpointError(
+                f"checkpoint {self.checkpoint_path} belongs to another plan: "
+                f"{state['plan']} != {self.plan.public()}")
+        self.offset, self.clip, self.releases = state["completed"], state["clip"], \
+            state["releases"]
+        self.accountant, self.rows = state["accountant"], state["rows"]
+        if state["inner"] is not None:
+            self.strategy = pickle.loads(state["inner"])
+        return ArrayRecord({k: Array(np.asarray(v)) for k, v in state["arrays"].items()})
+
+
+def _count(metrics: MetricRecord, key: str, default: int = 0) -> int:
+    value = metrics.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise RejectedReply(f"{key} must be a whole number, got {value!r}")
+    return int(value)
+
+
+__all__ = ["PrivateStrategy"]

@@ -1,0 +1,70 @@
+"""Nodes that host several users (``PrivateStrategy(..., multi_user_nodes=True)``).
+
+The node clips each of its users' updates to the round's clip norm (sent by the server in the
+train config as ``fedpriv-clip-norm``) and replies with their *sum* and the count of users in
+it, so the per-user sensitivity stays the clip norm: the server checks the sum's norm against
+``users x clip`` and rejects a node that exceeds it. With a sampling rate below 1 the node
+samples its users itself (``fedpriv-sampling-rate``), each independently, from OS entropy: the
+server does not learn who took part beyond the count. Typical handler::
+
+    @app.train()
+    def train(msg, context):
+        users = sample_users(my_user_ids, msg)
+        models = {u: local_train(msg.content["arrays"], data_of(u)) for u in users}
+        return Message(user_sum_reply(msg, list(models.values())), reply_to=msg)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+from fedpriv_flwr.aggregate import UNCLIPPED_KEY, USERS_KEY
+from fedpriv_flwr.strategy import CLIP_CONFIG, RATE_CONFIG
+
+
+def _config(msg: Message, key: str) -> float:
+    for record in msg.content.config_records.values():
+        if key in record:
+            value = record[key]
+            if isinstance(value, (int, float)):
+                return float(value)
+    raise ValueError(f"{key} is missing from the train config: is the server a PrivateStrategy "
+                     "with multi_user_nodes=True?")
+
+
+def sample_users(user_ids: Sequence[Any], msg: Message) -> list[Any]:
+    """This round's Poisson sample of the node's users, from OS entropy."""
+    rate = _config(msg, RATE_CONFIG)
+    if rate >= 1:
+        return list(user_ids)
+    keep = np.random.default_rng(np.random.SeedSequence()).random(len(user_ids)) < rate
+    return [u for u, k in zip(user_ids, keep, strict=True) if k]
+
+
+def user_sum_reply(msg: Message, user_models: Sequence[ArrayRecord | dict[str, np.ndarray]],
+                   array_key: str = "arrays") -> RecordDict:
+    """The reply of a multi-user node: the sum of its users' clipped updates (each user's model
+    minus the broadcast one, clipped to the round's clip norm) and the counts."""
+    clip = _config(msg, CLIP_CONFIG)
+    sent = msg.content.array_records[array_key]
+    base = {k: v.numpy().astype(np.float64) for k, v in sent.items()}
+    total = {k: np.zeros_like(v) for k, v in base.items()}
+    unclipped = 0
+    for model in user_models:
+        arrays = {k: (v.numpy() if isinstance(v, Array) else np.asarray(v))
+                  for k, v in model.items()}
+        delta = {k: arrays[k].astype(np.float64) - base[k] for k in base if k in arrays}
+        norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in delta.values())))
+        scale = 1.0 if norm <= clip else clip / norm
+        unclipped += norm <= clip
+        for k, d in delta.items():
+            total[k] += d * scale
+    kept = {k: Array(total[k].astype(base[k].dtype if base[k].dtype.kind == "f" else np.float64))
+            for k in total if all(k in m for m in user_models)}
+    return RecordDict({array_key: ArrayRecord(kept),
+                       "metrics": MetricRecord({USERS_KEY: len(user_models),
+                                                UNCLIPPED_KEY: unclipped})})

@@ -1,0 +1,58 @@
+"""An in-memory stand-in for Flower's Grid, for unit tests of server strategies: nodes answer
+train messages with ``reply_fn(node, arrays) -> {key: array}`` and evaluate messages with
+``metric_fn(node) -> {name: value}``; every message in both directions is recorded. (The real
+runtime is exercised by the simulation-engine tests.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+
+def set_identity() -> None:
+    """Messages built outside a Flower process need a run and a node identity."""
+    TaskIdentity.run_id = 1
+    TaskIdentity.task_id = 1
+    TaskIdentity.node_id = 0
+
+
+class FakeGrid:
+    def __init__(self, nodes: int | list[int],
+                 reply_fn: Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray] | None],
+                 metric_fn: Callable[[int], dict[str, float]] | None = None,
+                 weight_fn: Callable[[int], float] = lambda node: 1.0) -> None:
+        set_identity()
+        self.nodes = list(range(1, nodes + 1)) if isinstance(nodes, int) else list(nodes)
+        self.reply_fn, self.metric_fn, self.weight_fn = reply_fn, metric_fn, weight_fn
+        self.sent: list[Message] = []
+        self.received: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
+                         ) -> list[Message]:
+        out = []
+        for m in messages:
+            self.sent.append(m)
+            node = m.metadata.dst_node_id
+            if m.metadata.message_type == "train":
+                arrays = {k: v.numpy() for k, v in m.content["arrays"].items()}
+                new = self.reply_fn(node, arrays)
+                if new is None:  # the node fails: Flower answers with an error reply
+                    out.append(Message(Error(code=0, reason="node failed"), reply_to=m))
+                    continue
+                reply = Message(RecordDict({
+                    "arrays": ArrayRecord({k: Array(np.asarray(v)) for k, v in new.items()}),
+                    "metrics": MetricRecord({"num-examples": self.weight_fn(node),
+                                             "train-loss": 0.25})}), reply_to=m)
+            else:
+                metrics = dict(self.metric_fn(node)) if self.metric_fn else {}
+                reply = Message(RecordDict({"metrics": MetricRecord(
+                    {**metrics, "num-examples": 1})}), reply_to=m)
+            self.received.append(reply)
+            out.append(reply)
+        return out
