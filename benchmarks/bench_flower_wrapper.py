@@ -4,10 +4,10 @@
 What is timed is the strategy's own work in a round (``configure_train`` + ``aggregate_train``:
 sampling, the replies' checks, clipping, the sum, the noise, the accounting, the report files);
 the nodes' replies are built beforehand, so the nodes' training and the transport are not in it.
-Default: N = 2,000 one-user nodes and a model of 109,386 parameters (the example app's MLP,
-784-128-64-10... pass ``--params``), z from the same calibration for both.
+Default: N = 2,000 one-user nodes and a model of 235,146 parameters (the example app's MLP
+784-256-128-10, fedpriv's default deep model), z from the same calibration for both.
 
-    python benchmarks/bench_flower_wrapper.py [--nodes 2000] [--params 109386] [--repeats 3]
+    python benchmarks/bench_flower_wrapper.py [--nodes 2000] [--params 235146] [--repeats 3]
         [--round-seconds S]   # a measured round time, to print the share of the round
 """
 
@@ -59,7 +59,7 @@ def _time(strategy, grid: FakeGrid, model: ArrayRecord, rng: np.random.Generator
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=2000)
-    parser.add_argument("--params", type=int, default=109_386)
+    parser.add_argument("--params", type=int, default=235_146)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--round-seconds", type=float, default=None)
     args = parser.parse_args()

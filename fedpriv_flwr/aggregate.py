@@ -54,11 +54,17 @@ class Layout:
     def size(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
 
-    def flatten(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-        if not self.keys:
-            return np.zeros(0)
-        return np.concatenate([np.asarray(arrays[k], dtype=np.float64).reshape(-1)
-                               for k in self.keys])
+    def flatten(self, arrays: Mapping[str, np.ndarray],
+                out: np.ndarray | None = None) -> np.ndarray:
+        """The arrays of the keys, in order, as one float64 vector (written into ``out`` when
+        given: a round reuses one buffer for every reply instead of allocating per reply)."""
+        vector = np.empty(self.size) if out is None else out
+        start = 0
+        for k, shape in zip(self.keys, self.shapes, strict=True):
+            n = math.prod(shape)
+            vector[start:start + n] = np.asarray(arrays[k]).reshape(-1)
+            start += n
+        return vector
 
     def unflatten(self, vector: np.ndarray) -> dict[str, np.ndarray]:
         out, start = {}, 0
@@ -70,8 +76,9 @@ class Layout:
 
 
 def reply_update(layout: Layout, current: np.ndarray, returned: Mapping[str, np.ndarray],
-                 personal: frozenset[str]) -> np.ndarray:
-    """The update ``returned - current`` over the released keys, or ``RejectedReply``."""
+                 personal: frozenset[str], out: np.ndarray | None = None) -> np.ndarray:
+    """The update ``returned - current`` over the released keys (in ``out`` when given), or
+    ``RejectedReply``."""
     carried = set(returned) & personal
     if carried:
         raise RejectedReply(f"carries personal layers {sorted(carried)[:3]}")
@@ -85,11 +92,11 @@ def reply_update(layout: Layout, current: np.ndarray, returned: Mapping[str, np.
     for k, shape in zip(layout.keys, layout.shapes, strict=True):
         if tuple(np.shape(returned[k])) != shape:
             raise RejectedReply(f"key {k!r} has shape {np.shape(returned[k])}, expected {shape}")
-    vector = layout.flatten(returned)
-    if not np.all(np.isfinite(vector)):
-        raise RejectedReply("holds non-finite values")
-    update: np.ndarray = vector - current
-    return update
+    vector = layout.flatten(returned, out)
+    vector -= current
+    if not math.isfinite(float(np.einsum("i,i->", vector, vector))):
+        raise RejectedReply("holds non-finite values (or values too large to clip)")
+    return vector
 
 
 @dataclass
@@ -109,12 +116,13 @@ class RoundSum:
 
     def add_user(self, update: np.ndarray, clip_norm: float) -> None:
         """One user's update, clipped to ``clip_norm``."""
-        norm = float(np.linalg.norm(update))
+        norm = _norm(update)
         if norm <= clip_norm:
             self.unclipped += 1
             self.total += update
-        else:
-            self.total += update * (clip_norm / norm)
+        else:  # scaled in place: ``update`` is the round's reply buffer
+            update *= clip_norm / norm
+            self.total += update
         self.users += 1
         self.nodes += 1
 
@@ -123,7 +131,7 @@ class RoundSum:
         """A multi-user node's sum of its users' clipped updates (checked against ``users C``)."""
         if users < 0 or not 0 <= unclipped <= users:
             raise RejectedReply(f"reports {users} users of which {unclipped} unclipped")
-        norm = float(np.linalg.norm(clipped_sum))
+        norm = _norm(clipped_sum)
         if norm > users * clip_norm * (1.0 + 1e-6):
             raise RejectedReply(f"its sum has norm {norm:.4g}, more than {users} users clipped "
                                 f"to {clip_norm:.4g} can make")
@@ -134,6 +142,12 @@ class RoundSum:
 
     def reject(self, reason: str) -> None:
         self.rejected[reason.split(":")[0]] += 1
+
+
+def _norm(vector: np.ndarray) -> float:
+    """The L2 norm (without BLAS: its threads only contend with the server's on small
+    machines, and a vector of this size is memory-bound anyway)."""
+    return math.sqrt(float(np.einsum("i,i->", vector, vector)))
 
 
 def noisy_mean(exact_sum: np.ndarray, denominator: float, std: float,

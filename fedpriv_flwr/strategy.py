@@ -265,10 +265,9 @@ class PrivateStrategy(Strategy):
         spent = self.accountant.epsilon()
         line = (f"fedpriv: epsilon spent = {spent:.4f} at delta = {self.plan.delta:g} "
                 f"(PLD accountant, {len(self.accountant.ledger)} releases)")
-        log(INFO, line)
-        print(line, flush=True)
-        print(f"fedpriv: operator report (exact, not private; do not publish): {report}")
-        print(f"fedpriv: release (what may leave the server): {release}", flush=True)
+        for text in (line, f"fedpriv: operator report (exact, not private; do not publish): "
+                     f"{report}", f"fedpriv: release (what may leave the server): {release}"):
+            log(INFO, text)  # Flower's log: what `flwr run --stream` and `flwr log` show
         if self.checkpoint_path is not None:
             self.checkpoint_path.unlink(missing_ok=True)
         return result
@@ -276,6 +275,7 @@ class PrivateStrategy(Strategy):
     # ----- the private release ---------------------------------------------------------------
     def _round_sum(self, layout: Layout, replies: Iterable[Message]) -> RoundSum:
         sums = RoundSum(layout.size)
+        buffer = np.empty(layout.size)  # one buffer for every reply of the round
         for reply in replies:
             if reply.has_error():
                 sums.failed += 1
@@ -285,14 +285,15 @@ class PrivateStrategy(Strategy):
                 if USERS_KEY in metrics:
                     if not self.multi_user_nodes:
                         raise RejectedReply("a multi-user reply, but multi_user_nodes=False")
-                    total = reply_update(layout, np.zeros(layout.size), returned, self.personal)
+                    total = reply_update(layout, np.zeros(layout.size), returned, self.personal,
+                                         buffer)
                     sums.add_node_sum(total, _count(metrics, USERS_KEY),
                                       _count(metrics, UNCLIPPED_KEY), self.clip)
                 else:
                     if self.multi_user_nodes:
                         raise RejectedReply(f"no {USERS_KEY} count from a multi-user node")
-                    sums.add_user(reply_update(layout, self._current, returned, self.personal),
-                                  self.clip)
+                    sums.add_user(reply_update(layout, self._current, returned, self.personal,
+                                               buffer), self.clip)
             except RejectedReply as err:
                 sums.reject(str(err))
                 log(WARNING, "fedpriv: rejected a reply from node %d: %s",

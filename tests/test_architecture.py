@@ -2,8 +2,8 @@
 
 The import graph is read from the source (every ``import`` statement, also those inside
 functions, resolved to the project's own modules in ``fedpriv/``, ``clients/``,
-``strategies/`` and ``fedpriv_flwr/``), as ``../shared/tools/import_cycles.py`` reads it, so this test needs nothing
-beside the repository. ``CHECKED`` names the modules held to the rules.
+``strategies/`` and ``fedpriv_flwr/``), as ``../shared/tools/import_cycles.py`` reads it, so
+this test needs nothing beside the repository. ``CHECKED`` names the modules held to the rules.
 """
 
 from __future__ import annotations

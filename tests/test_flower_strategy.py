@@ -201,7 +201,8 @@ def test_one_user_moves_the_release_by_at_most_the_stated_sensitivity(tmp_path, 
     assert gap <= clip / n * (1 + 1e-5)
     assert a.accountant.ledger[0]["l2_sensitivity"] == pytest.approx(clip / n)
     if np.isnan(extreme):
-        assert a.rows[0]["rejected_nodes"] == {"holds non-finite values": 1}
+        (reason,) = a.rows[0]["rejected_nodes"]
+        assert reason.startswith("holds non-finite values")
 
 
 def test_poisson_sampling_is_accounted_and_the_sample_stays_in_the_operator_report(tmp_path):
@@ -421,7 +422,7 @@ def test_the_wrapper_runs_in_flowers_simulation_engine(tmp_path, flower_env):
     epsilon = epsilon_of({(z, 1.0): 2, (report["plan"]["noise_multipliers"]["evaluate"], 1.0):
                           1}, 1e-2)
     assert report["epsilon"] == pytest.approx(epsilon, rel=1e-9) and epsilon <= 2.0
-    assert f"fedpriv: epsilon spent = {epsilon:.4f}" in proc.stdout
+    assert f"fedpriv: epsilon spent = {epsilon:.4f}" in proc.stdout + proc.stderr
     assert [r["answered_nodes"] for r in report["rounds"]] == [6, 6]
     # the personal bias never reached the server (a reply carrying it would be rejected), and
     # the server's copy of it is never updated
