@@ -5,6 +5,9 @@ runtime is exercised by the simulation-engine tests.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -56,3 +59,18 @@ class FakeGrid:
             self.received.append(reply)
             out.append(reply)
         return out
+
+
+def run_in_simulation(module: str, path: str, nodes: int, env: dict[str, str], cwd: str,
+                      timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    """Run ``module.server`` and ``module.app`` (a ServerApp and a ClientApp in a file under
+    ``path``) in Flower's simulation engine with ``nodes`` SuperNodes, in a fresh process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from flwr.simulation import run_simulation\n"
+            f"import {module} as a\n"
+            f"run_simulation(a.server, a.app, num_supernodes={nodes}, backend_config={{\n"
+            "    'client_resources': {'num_cpus': 1, 'num_gpus': 0.0},\n"
+            "    'init_args': {'num_cpus': 2, 'include_dashboard': False}})\n")
+    env = {**env, "PYTHONPATH": os.pathsep.join([path, root])}
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)

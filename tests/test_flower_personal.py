@@ -35,6 +35,7 @@ from fedpriv_flwr.personal import (
     personalize,
     state_file,
 )
+from tests.flower_grid import run_in_simulation
 
 torch = pytest.importorskip("torch")
 
@@ -509,15 +510,8 @@ def test_simulation_keeps_each_users_head_on_its_node(tmp_path, flower_env):
     """Four SuperNodes, three rounds of plain FedAvg in Flower's simulation engine."""
     app = _write_app(tmp_path / "app")
     out = tmp_path / "replies.json"
-    env = {**flower_env, "PYTHONPATH": os.pathsep.join([str(app), str(ROOT)]),
-           "PERSONAL_TEST_OUT": str(out), "PERSONAL_TEST_NODES": "4"}
-    code = ("from flwr.simulation import run_simulation\n"
-            "import personal_test_app as a\n"
-            "run_simulation(a.server, a.app, num_supernodes=4, backend_config={\n"
-            "    'client_resources': {'num_cpus': 1, 'num_gpus': 0.0},\n"
-            "    'init_args': {'num_cpus': 2, 'include_dashboard': False}})\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=400)
+    env = {**flower_env, "PERSONAL_TEST_OUT": str(out), "PERSONAL_TEST_NODES": "4"}
+    proc = run_in_simulation("personal_test_app", str(app), 4, env, str(tmp_path))
     assert proc.returncode == 0 and out.is_file(), (proc.stdout + proc.stderr)[-4000:]
     train = _check_the_run(json.loads(out.read_text()), nodes=4, rounds=3)
     # in the simulation the context.state keeps the heads (no state dir in the node config)

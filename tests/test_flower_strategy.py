@@ -33,7 +33,7 @@ from fedpriv.server.release import Releaser
 from fedpriv_flwr.aggregate import USERS_KEY
 from fedpriv_flwr.plan import PlanError
 from fedpriv_flwr.strategy import PrivateStrategy
-from tests.flower_grid import FakeGrid
+from tests.flower_grid import FakeGrid, run_in_simulation
 
 SHAPES = {"w": (6, 5), "b": (5,)}
 DIM = 35
@@ -399,21 +399,9 @@ def main(grid: Grid, context: Context) -> None:
 
 @pytest.mark.integration
 def test_the_wrapper_runs_in_flowers_simulation_engine(tmp_path, flower_env):
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "sim_app.py").write_text(SIM_APP)
-    root = Path(__file__).resolve().parents[1]
-    env = {**flower_env, "SIM_OUT": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
-    code = ("from flwr.simulation import run_simulation\n"
-            "import sim_app as a\n"
-            "run_simulation(a.server, a.app, num_supernodes=6, backend_config={\n"
-            "    'client_resources': {'num_cpus': 1, 'num_gpus': 0.0},\n"
-            "    'init_args': {'num_cpus': 2, 'include_dashboard': False}})\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=400)
+    proc = run_in_simulation("sim_app", str(tmp_path), 6, {**flower_env, "SIM_OUT": str(tmp_path)},
+                             str(tmp_path))
     out = tmp_path / "result.json"
     assert proc.returncode == 0 and out.is_file(), (proc.stdout + proc.stderr)[-4000:]
     result = json.loads(out.read_text())
