@@ -123,6 +123,7 @@ class PrivateStrategy(Strategy):
         self.current_arrays = ArrayRecord()
         self._sampled: dict[int, int] = {}
         self._server_time = 0.0
+        self._round_started = 0.0
 
     # ----- Flower's Strategy -----------------------------------------------------------------
     def summary(self) -> None:
@@ -139,7 +140,7 @@ class PrivateStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        t0 = time.perf_counter()
+        t0 = self._round_started = time.perf_counter()
         r = self.offset + server_round
         if r > self.plan.num_rounds:
             raise PrivacyBudgetExhausted(
@@ -188,7 +189,8 @@ class PrivateStrategy(Strategy):
             row["next_clip_norm"] = self.clip
         self.rows.append(row)
         self._server_time += time.perf_counter() - t0
-        row["server_seconds"] = self._server_time
+        row["server_seconds"] = self._server_time  # the strategy's own work in the round
+        row["round_seconds"] = time.perf_counter() - self._round_started  # with the nodes
         self._server_time = 0.0
         if aggregated is not None:
             self._save_checkpoint(r, aggregated)

@@ -48,7 +48,9 @@ def sample_users(user_ids: Sequence[Any], msg: Message) -> list[Any]:
 def user_sum_reply(msg: Message, user_models: Sequence[ArrayRecord | dict[str, np.ndarray]],
                    array_key: str = "arrays") -> RecordDict:
     """The reply of a multi-user node: the sum of its users' clipped updates (each user's model
-    minus the broadcast one, clipped to the round's clip norm) and the counts."""
+    minus the broadcast one, clipped to the round's clip norm) and the counts. A user whose
+    update is not finite adds nothing, so one user's bad values cannot get its node's sum
+    rejected (which would remove the node's other users from the round)."""
     clip = _config(msg, CLIP_CONFIG)
     sent = msg.content.array_records[array_key]
     base = {k: v.numpy().astype(np.float64) for k, v in sent.items()}
@@ -59,6 +61,8 @@ def user_sum_reply(msg: Message, user_models: Sequence[ArrayRecord | dict[str, n
                   for k, v in model.items()}
         delta = {k: arrays[k].astype(np.float64) - base[k] for k in base if k in arrays}
         norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in delta.values())))
+        if not np.isfinite(norm):  # this user contributes nothing (never its node's others)
+            continue
         scale = 1.0 if norm <= clip else clip / norm
         unclipped += norm <= clip
         for k, d in delta.items():

@@ -337,6 +337,8 @@ def test_multi_user_nodes_send_clipped_sums_and_an_oversized_sum_is_rejected(tmp
                 continue
             models = [{k: v.numpy() + 10.0 * (u + 1) for k, v in m.content["arrays"].items()}
                       for u in range(3)]
+            if m.metadata.dst_node_id == 2:  # one user's NaN costs only that user
+                models[0] = {k: np.full_like(v, np.nan) for k, v in models[0].items()}
             content = user_sum_reply(m, models)
             if m.metadata.dst_node_id == 1:
                 content["metrics"][USERS_KEY] = 1  # claims 1 user for a sum of 3 clipped ones
@@ -346,8 +348,9 @@ def test_multi_user_nodes_send_clipped_sums_and_an_oversized_sum_is_rejected(tmp
     grid.send_and_receive = send  # type: ignore[method-assign]  # nodes answer with sums
     s, _ = _run(tmp_path, grid, rounds=1, num_users=12, delta=1e-3, multi_user_nodes=True)
     row = s.rows[0]
-    assert row["users"] == 9 and row["unclipped_users"] == 0
+    assert row["users"] == 9 and row["unclipped_users"] == 0  # node 1 (3 users) rejected
     assert sum(row["rejected_nodes"].values()) == 1
+    assert row["answered_nodes"] == 3
 
 
 # ----- the real runtime -------------------------------------------------------------------------
