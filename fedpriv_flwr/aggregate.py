@@ -156,8 +156,3 @@ def noisy_mean(exact_sum: np.ndarray, denominator: float, std: float,
     noise multiplier times the mean's sensitivity), drawn as fedpriv's own releases draw it."""
     result: np.ndarray = exact_sum / denominator + gaussian_noise(exact_sum.shape, std, rng)
     return result
-
-
-def clip_metric(value: float, bound: float) -> float:
-    """A user's metric clipped to ``[0, bound]`` (non-finite values count as 0)."""
-    return min(max(float(value), 0.0), bound) if math.isfinite(value) else 0.0

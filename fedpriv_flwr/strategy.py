@@ -14,8 +14,10 @@ noise multiplier is calibrated before round 1 to the target (epsilon, delta) wit
 accounting (``fedpriv_flwr.plan``); each release is composed into fedpriv's accountant and the
 run stops before a release over the ceiling. Adaptive clipping (Andrew et al. 2021) releases the
 count of unclipped users through the same Gaussian, accounted. Evaluation metrics are exact and
-go to the operator report only, unless declared private (then they are clipped, noised and
-accounted); ``exact_metrics="operator-only"`` adds them to Flower's result under an
+go to the operator report only, unless declared private (then each user's value is clipped to
+``[0, bound]`` and the noisy mean over the declared ``num_users`` is released and accounted: a
+node that does not answer counts as 0, since rescaling by how many answered would publish that
+count); ``exact_metrics="operator-only"`` adds them to Flower's result under an
 ``operator-only/`` prefix.
 """
 
@@ -46,7 +48,6 @@ from fedpriv_flwr.aggregate import (
     Layout,
     RejectedReply,
     RoundSum,
-    clip_metric,
     noisy_mean,
     reply_update,
 )
@@ -214,13 +215,18 @@ class PrivateStrategy(Strategy):
             return None
         exact: dict[str, float] = {}
         counts: dict[str, int] = {}
-        answered, users = 0, 0
+        answered, rejected = 0, 0
         for reply in replies:
             if reply.has_error() or len(reply.content.metric_records) != 1:
+                rejected += not reply.has_error()
                 continue
             metrics = next(iter(reply.content.metric_records.values()))
-            k = _count(metrics, USERS_KEY, 1) if self.multi_user_nodes else 1
-            answered, users = answered + 1, users + k
+            try:
+                k = self._users_of(metrics) if self.multi_user_nodes else 1
+            except RejectedReply:
+                rejected += 1
+                continue
+            answered += 1
             for name, value in metrics.items():
                 if name in (USERS_KEY, self._key("weighted_by_key", "num-examples")):
                     continue
@@ -233,10 +239,10 @@ class PrivateStrategy(Strategy):
                     counts[name] = counts.get(name, 0) + 1
         means = {n: exact[n] / counts[n] for n in exact}
         row: dict[str, Any] = {"round": r, "evaluated_nodes": answered,
-                               "exact_metrics": means}
+                               "rejected_evaluations": rejected, "exact_metrics": means}
         out: dict[str, float] = {}
         if self.plan.private_metrics:
-            out.update(self._release_metrics(r, exact, users))
+            out.update(self._release_metrics(r, exact))
             row["private_metrics"] = dict(out)
         self._evaluation_row(row)
         if self.exact_metrics == "operator-only":
@@ -289,7 +295,7 @@ class PrivateStrategy(Strategy):
                         raise RejectedReply("a multi-user reply, but multi_user_nodes=False")
                     total = reply_update(layout, np.zeros(layout.size), returned, self.personal,
                                          buffer)
-                    sums.add_node_sum(total, _count(metrics, USERS_KEY),
+                    sums.add_node_sum(total, self._users_of(metrics),
                                       _count(metrics, UNCLIPPED_KEY), self.clip)
                 else:
                     if self.multi_user_nodes:
@@ -324,16 +330,16 @@ class PrivateStrategy(Strategy):
             self.clip = adapted_clip(self.clip, fraction, p.clip_quantile, p.clip_lr)
         return noisy
 
-    def _release_metrics(self, r: int, exact: Mapping[str, float], users: int
-                         ) -> dict[str, float]:
+    def _release_metrics(self, r: int, exact: Mapping[str, float]) -> dict[str, float]:
         p = self.plan
         out, parts = {}, []
         for name, bound, z_part in p.metric_parts():
             std = p.std(bound, z_part, p.num_users)
-            value = noisy_mean(np.array([clip_metric(exact.get(name, 0.0), users * bound)]),
-                               p.num_users, std, self._noise_rng())[0]
-            # the missing-node rescale: a public count times a noisy mean (post-processing)
-            out[name] = float(value) * (p.num_users / users if users else 1.0)
+            # the mean over the declared population: no rescale by how many answered (that
+            # count would tell whether one user took part); a silent node counts as 0
+            value = noisy_mean(np.array([exact.get(name, 0.0)]), p.num_users, std,
+                               self._noise_rng())[0]
+            out[name] = float(value)
             parts.append({"name": name, "noise_multiplier": z_part, "noise_std": std,
                           "l2_sensitivity": std / z_part})
         spent = self.accountant.record(f"{EVALUATE} {r}", p.multipliers[EVALUATE], parts)
@@ -373,6 +379,13 @@ class PrivateStrategy(Strategy):
             self.layout = Layout.of({k: v.numpy() for k, v in arrays.items()}, released)
         self.current_arrays = arrays
         self._current = self.layout.flatten({k: arrays[k].numpy() for k in self.layout.keys})
+
+    def _users_of(self, metrics: MetricRecord) -> int:
+        """A multi-user node's count of users (at most the declared population)."""
+        users = _count(metrics, USERS_KEY, 1)
+        if not 0 <= users <= self.plan.num_users:
+            raise RejectedReply(f"claims {users} users (0 to num_users)")
+        return users
 
     def _reply_arrays(self, reply: Message) -> tuple[dict[str, np.ndarray], MetricRecord]:
         content = reply.content

@@ -205,6 +205,45 @@ def test_one_user_moves_the_release_by_at_most_the_stated_sensitivity(tmp_path, 
         assert reason.startswith("holds non-finite values")
 
 
+@pytest.mark.parametrize("value", [1e9, -5.0, np.nan, 0.9])
+def test_one_user_moves_a_private_metric_by_at_most_its_bound_over_n(tmp_path, value):
+    """The released metric is a mean over the declared population: neither the user's value
+    nor whether it answered at all moves it by more than bound / N (same seeds)."""
+    n = 40
+
+    def metric(node):
+        return {"accuracy": value if node == n else 0.5}
+
+    kw = {"rounds": 1, "num_users": n, "delta": 1e-3, "private_metrics": {"accuracy": 1.0}}
+    _, ra = _run(tmp_path, FakeGrid(n, _shift(0.0), metric_fn=metric), name="a", **kw)
+    _, rb = _run(tmp_path, FakeGrid(n - 1, _shift(0.0), metric_fn=metric), name="b", **kw)
+    gap = abs(ra.evaluate_metrics_clientapp[1]["accuracy"]
+              - rb.evaluate_metrics_clientapp[1]["accuracy"])
+    assert gap <= 1.0 / n * (1 + 1e-9)
+
+
+def test_a_private_metric_is_not_rescaled_by_how_many_nodes_answered(tmp_path):
+    """Silent nodes count as 0: a rescale by the number that answered would publish that
+    (data-dependent) count through the metric."""
+    n = 40
+
+    class Silent(FakeGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            out = super().send_and_receive(messages, timeout=timeout)
+            return [m for m in out if m.content.metric_records.get("metrics") is None
+                    or "accuracy" not in m.content["metrics"]
+                    or m.metadata.src_node_id % 4 != 0]
+
+    kw = {"rounds": 1, "num_users": n, "delta": 1e-3, "private_metrics": {"accuracy": 1.0}}
+    _, full = _run(tmp_path, FakeGrid(n, _shift(0.0), metric_fn=lambda node: {"accuracy": 1.0}),
+                   name="a", **kw)
+    _, part = _run(tmp_path, Silent(n, _shift(0.0), metric_fn=lambda node: {"accuracy": 1.0}),
+                   name="b", **kw)
+    gap = (full.evaluate_metrics_clientapp[1]["accuracy"]
+           - part.evaluate_metrics_clientapp[1]["accuracy"])
+    assert gap == pytest.approx(10 / n, abs=1e-9)  # the same noise; 10 silent nodes of 40
+
+
 def test_poisson_sampling_is_accounted_and_the_sample_stays_in_the_operator_report(tmp_path):
     grid = FakeGrid(300, _shift(0.001))
     s, _ = _run(tmp_path, grid, rounds=2, epsilon=1.0, delta=1e-5, sampling_rate=0.2)
