@@ -14,7 +14,8 @@ the metric ``fedpriv-users`` (``fedpriv_flwr.users.user_sum_reply``); the server
 norm against ``k C`` (a node cannot exceed what ``k`` clipped users can move) and rejects it
 otherwise. The per-user sensitivity is then the same ``C`` (each user is clipped on its node). If
 a node clips its sum instead of each user, one user can move that clipped sum by up to ``2 C``:
-state ``user_sensitivity_factor = 2`` to the strategy.
+state ``user_sensitivity_factor = 2`` to the strategy (the node then clips its sum to ``C``,
+and the server checks the sum against ``C``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def reply_update(layout: Layout, current: np.ndarray, returned: Mapping[str, np.
     for k, shape in zip(layout.keys, layout.shapes, strict=True):
         if tuple(np.shape(returned[k])) != shape:
             raise RejectedReply(f"key {k!r} has shape {np.shape(returned[k])}, expected {shape}")
+        if np.asarray(returned[k]).dtype.kind not in "biuf":
+            raise RejectedReply(f"key {k!r} is not a real-valued array")
     vector = layout.flatten(returned, out)
     vector -= current
     if not math.isfinite(float(np.einsum("i,i->", vector, vector))):
@@ -127,14 +130,16 @@ class RoundSum:
         self.nodes += 1
 
     def add_node_sum(self, clipped_sum: np.ndarray, users: int, unclipped: int,
-                     clip_norm: float) -> None:
-        """A multi-user node's sum of its users' clipped updates (checked against ``users C``)."""
+                     clip_norm: float, sum_clipped: bool = False) -> None:
+        """A multi-user node's sum of its users' clipped updates, checked against ``users C``
+        (``sum_clipped``: a node that clips its sum, checked against ``C``)."""
         if users < 0 or not 0 <= unclipped <= users:
             raise RejectedReply(f"reports {users} users of which {unclipped} unclipped")
         norm = _norm(clipped_sum)
-        if norm > users * clip_norm * (1.0 + 1e-6):
-            raise RejectedReply(f"its sum has norm {norm:.4g}, more than {users} users clipped "
-                                f"to {clip_norm:.4g} can make")
+        limit = clip_norm if sum_clipped else users * clip_norm
+        if not norm <= limit * (1.0 + 1e-6):
+            raise RejectedReply(f"its sum has norm {norm:.4g}, more than its clip allows "
+                                f"({limit:.4g})")
         self.total += clipped_sum
         self.users += users
         self.unclipped += unclipped

@@ -89,6 +89,12 @@ class PrivateStrategy(Strategy):
                  checkpoint_path: str | None = None, resume: bool = False) -> None:
         super().__init__()
         check_inner_strategy(strategy)
+        if multi_user_nodes and personal_layers is not None:
+            raise ValueError("personal_layers: not supported with multi_user_nodes (the "
+                             "personalization mod keeps one user's layers per node)")
+        if multi_user_nodes and private_metrics:
+            raise ValueError("private_metrics: not supported with multi_user_nodes (a node "
+                             "would have to clip each of its users' values; nothing does yet)")
         if exact_metrics not in ("report", "operator-only"):
             raise ValueError("exact_metrics: 'report' (operator report only) or "
                              f"'operator-only' (also in Flower's result), got {exact_metrics!r}")
@@ -125,6 +131,7 @@ class PrivateStrategy(Strategy):
         self._sampled: dict[int, int] = {}
         self._server_time = 0.0
         self._round_started = 0.0
+        self._last_arrays: ArrayRecord | None = None
 
     # ----- Flower's Strategy -----------------------------------------------------------------
     def summary(self) -> None:
@@ -194,6 +201,7 @@ class PrivateStrategy(Strategy):
         row["round_seconds"] = time.perf_counter() - self._round_started  # with the nodes
         self._server_time = 0.0
         if aggregated is not None:
+            self._last_arrays = aggregated
             self._save_checkpoint(r, aggregated)
         self._write()
         return aggregated, MetricRecord({"epsilon": spent, "clip-norm": clip_used})
@@ -221,19 +229,14 @@ class PrivateStrategy(Strategy):
                 rejected += not reply.has_error()
                 continue
             metrics = next(iter(reply.content.metric_records.values()))
-            try:
-                k = self._users_of(metrics) if self.multi_user_nodes else 1
-            except RejectedReply:
-                rejected += 1
-                continue
             answered += 1
             for name, value in metrics.items():
                 if name in (USERS_KEY, self._key("weighted_by_key", "num-examples")):
                     continue
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     bound = self.plan.private_metrics.get(name)
-                    # private metrics: each user's value clipped (a node's sum: k users' values)
-                    v = (min(max(float(value), 0.0), k * bound) if bound is not None
+                    # private metrics: each user's value clipped to [0, bound]
+                    v = (min(max(float(value), 0.0), bound) if bound is not None
                          else float(value))
                     exact[name] = exact.get(name, 0.0) + v
                     counts[name] = counts.get(name, 0) + 1
@@ -245,6 +248,10 @@ class PrivateStrategy(Strategy):
             out.update(self._release_metrics(r, exact))
             row["private_metrics"] = dict(out)
         self._evaluation_row(row)
+        if self.plan.private_metrics and self._last_arrays is not None:
+            # the evaluation release is in the checkpoint before it leaves the server, so a
+            # resumed run counts it (and never reuses its noise stream)
+            self._save_checkpoint(r, self._last_arrays)
         if self.exact_metrics == "operator-only":
             out.update({f"operator-only/{n}": v for n, v in means.items()})
         self._write()
@@ -296,7 +303,8 @@ class PrivateStrategy(Strategy):
                     total = reply_update(layout, np.zeros(layout.size), returned, self.personal,
                                          buffer)
                     sums.add_node_sum(total, self._users_of(metrics),
-                                      _count(metrics, UNCLIPPED_KEY), self.clip)
+                                      _count(metrics, UNCLIPPED_KEY), self.clip,
+                                      sum_clipped=self.plan.user_sensitivity_factor == 2.0)
                 else:
                     if self.multi_user_nodes:
                         raise RejectedReply(f"no {USERS_KEY} count from a multi-user node")
@@ -304,8 +312,8 @@ class PrivateStrategy(Strategy):
                                                buffer), self.clip)
             except RejectedReply as err:
                 sums.reject(str(err))
-                log(WARNING, "fedpriv: rejected a reply from node %d: %s",
-                    reply.metadata.src_node_id, err)
+                # Flower's log carries no node id or value: the reasons are in the operator report
+                log(WARNING, "fedpriv: a reply was rejected (reasons in the operator report)")
         return sums
 
     def _release_round(self, r: int, sums: RoundSum) -> list[np.ndarray]:
@@ -394,7 +402,11 @@ class PrivateStrategy(Strategy):
         record = next(iter(content.array_records.values()))
         metrics = (next(iter(content.metric_records.values())) if content.metric_records
                    else MetricRecord())
-        return {k: v.numpy() for k, v in record.items()}, metrics
+        try:
+            arrays = {k: v.numpy() for k, v in record.items()}
+        except Exception as err:  # an array Flower cannot decode
+            raise RejectedReply(f"holds an undecodable array ({type(err).__name__})") from None
+        return arrays, metrics
 
     def _evaluation_row(self, row: dict[str, Any]) -> None:
         for existing in self.rows:
@@ -447,7 +459,8 @@ class PrivateStrategy(Strategy):
 
 def _count(metrics: MetricRecord, key: str, default: int = 0) -> int:
     value = metrics.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value != int(value)):
         raise RejectedReply(f"{key} must be a whole number, got {value!r}")
     return int(value)
 

@@ -49,26 +49,33 @@ def user_sum_reply(msg: Message, user_models: Sequence[ArrayRecord | dict[str, n
                    array_key: str = "arrays") -> RecordDict:
     """The reply of a multi-user node: the sum of its users' clipped updates (each user's model
     minus the broadcast one, clipped to the round's clip norm) and the counts. A user whose
-    update is not finite adds nothing, so one user's bad values cannot get its node's sum
-    rejected (which would remove the node's other users from the round)."""
+    model misses a key, has a wrong shape or non-finite values adds nothing, so one user's
+    model cannot get its node's sum rejected (which would remove the node's other users)."""
     clip = _config(msg, CLIP_CONFIG)
     sent = msg.content.array_records[array_key]
     base = {k: v.numpy().astype(np.float64) for k, v in sent.items()}
     total = {k: np.zeros_like(v) for k, v in base.items()}
     unclipped = 0
     for model in user_models:
-        arrays = {k: (v.numpy() if isinstance(v, Array) else np.asarray(v))
-                  for k, v in model.items()}
-        delta = {k: arrays[k].astype(np.float64) - base[k] for k in base if k in arrays}
+        try:
+            arrays = {k: _array(model[k]) for k in base}
+            if any(arrays[k].shape != base[k].shape for k in base):
+                continue  # a wrong shape: this user adds nothing (never its node's others)
+        except (KeyError, TypeError, ValueError):
+            continue  # a missing or non-numeric array: likewise
+        delta = {k: arrays[k] - base[k] for k in base}
         norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in delta.values())))
-        if not np.isfinite(norm):  # this user contributes nothing (never its node's others)
+        if not np.isfinite(norm):  # likewise for non-finite values
             continue
         scale = 1.0 if norm <= clip else clip / norm
         unclipped += norm <= clip
         for k, d in delta.items():
             total[k] += d * scale
-    kept = {k: Array(total[k].astype(base[k].dtype if base[k].dtype.kind == "f" else np.float64))
-            for k in total if all(k in m for m in user_models)}
+    kept = {k: Array(total[k]) for k in total}  # every key the server sent, always
     return RecordDict({array_key: ArrayRecord(kept),
                        "metrics": MetricRecord({USERS_KEY: len(user_models),
                                                 UNCLIPPED_KEY: unclipped})})
+
+
+def _array(value: Array | np.ndarray) -> np.ndarray:
+    return np.asarray(value.numpy() if isinstance(value, Array) else value, dtype=np.float64)

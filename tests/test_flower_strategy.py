@@ -462,3 +462,83 @@ def test_the_wrapper_runs_in_flowers_simulation_engine(tmp_path, flower_env):
     assert result["evaluate"].keys() == {"2"} and "accuracy" in result["evaluate"]["2"]
     assert result["evaluate"]["2"]["accuracy"] != pytest.approx(0.75)
     assert report["rounds"][1]["exact_metrics"]["accuracy"] == pytest.approx(0.75)
+
+
+def test_resume_counts_the_evaluation_released_before_the_crash(tmp_path):
+    calls = {"n": 0}
+
+    def reply(node, arrays):
+        if node == 1:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt  # dies in round 2's training, after evaluation 1
+        return {k: v + 0.01 for k, v in arrays.items()}
+
+    kw = {"rounds": 3, "delta": 1e-3, "seed": 5, "evaluate_every": 1,
+          "private_metrics": {"accuracy": 1.0}}
+    metric = lambda node: {"accuracy": 0.5}  # noqa: E731
+    full, _ = _run(tmp_path, FakeGrid(10, _shift(0.01), metric_fn=metric), name="full", **kw)
+    ck = str(tmp_path / "ck")
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, FakeGrid(10, reply, metric_fn=metric), name="p", checkpoint_path=ck, **kw)
+    resumed, _ = _run(tmp_path, FakeGrid(10, _shift(0.01), metric_fn=metric), name="p",
+                      checkpoint_path=ck, resume=True, **kw)
+    assert [e["release"] for e in resumed.accountant.ledger] == [
+        e["release"] for e in full.accountant.ledger]
+    assert resumed.releases == full.releases  # no noise stream used twice
+    assert resumed.accountant.epsilon() == pytest.approx(full.accountant.epsilon(), rel=1e-12)
+
+
+def test_malformed_replies_are_rejected_without_stopping_the_run(tmp_path):
+    def reply(node, arrays):
+        if node == 1:
+            return {k: np.full(v.shape, "x") for k, v in arrays.items()}  # strings
+        return {k: v + 0.01 for k, v in arrays.items()}
+
+    s, _ = _run(tmp_path, FakeGrid(6, reply), rounds=1, delta=1e-2)
+    assert s.rows[0]["answered_nodes"] == 5 and sum(s.rows[0]["rejected_nodes"].values()) == 1
+
+
+def test_multi_user_nodes_refuse_private_metrics_and_personal_layers():
+    with pytest.raises(ValueError, match="private_metrics"):
+        PrivateStrategy(FedAvg(), num_users=100, num_rounds=2, multi_user_nodes=True,
+                        private_metrics={"accuracy": 1.0})
+    with pytest.raises(ValueError, match="personal_layers"):
+        PrivateStrategy(FedAvg(), num_users=100, num_rounds=2, multi_user_nodes=True,
+                        personal_layers="^b$")
+
+
+@pytest.mark.parametrize("factor, bad_counts", [(1.0, {}), (2.0, {"nan": 1})])
+def test_multi_user_replies_with_bad_users_or_counts(tmp_path, factor, bad_counts):
+    """A user with a missing key or wrong shape adds nothing to its node's sum (the node's other
+    users still count); a non-finite user count is rejected; with factor 2 a node's sum is
+    checked against C (it must clip its sum)."""
+    from flwr.app import Message
+
+    from fedpriv_flwr.users import user_sum_reply
+
+    grid = FakeGrid(3, lambda node, arrays: arrays)
+
+    def send(messages, timeout=None):
+        out = []
+        for m in messages:
+            if m.metadata.message_type != "train":
+                continue
+            base = {k: v.numpy() for k, v in m.content["arrays"].items()}
+            models = [{k: v + 1.0 for k, v in base.items()} for _ in range(3)]
+            models[0].pop("b")  # missing key
+            models[1]["w"] = np.zeros((2, 2))  # wrong shape
+            content = user_sum_reply(m, models)
+            if m.metadata.dst_node_id == 3 and bad_counts:
+                content["metrics"][USERS_KEY] = float("nan")
+            out.append(Message(content, reply_to=m))
+        return out
+
+    grid.send_and_receive = send  # type: ignore[method-assign]
+    s, _ = _run(tmp_path, grid, rounds=1, num_users=9, delta=1e-2, clip_norm=1.0,
+                multi_user_nodes=True, user_sensitivity_factor=factor)
+    row = s.rows[0]
+    if factor == 1.0:
+        assert row["answered_nodes"] == 3 and row["rejected_nodes"] == {}
+    else:  # each node's sum is one user's clipped update (norm 1 = C): accepted; nan rejected
+        assert row["answered_nodes"] == 2 and sum(row["rejected_nodes"].values()) == 1
