@@ -98,7 +98,7 @@ class PrivateStrategy(Strategy):
         if exact_metrics not in ("report", "operator-only"):
             raise ValueError("exact_metrics: 'report' (operator report only) or "
                              f"'operator-only' (also in Flower's result), got {exact_metrics!r}")
-        if multi_user_nodes and user_sensitivity_factor == 1.0 and sampling_rate < 1:
+        if multi_user_nodes and sampling_rate < 1:
             log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
                 sampling_rate)
         self.strategy = strategy

@@ -542,3 +542,31 @@ def test_multi_user_replies_with_bad_users_or_counts(tmp_path, factor, bad_count
         assert row["answered_nodes"] == 3 and row["rejected_nodes"] == {}
     else:  # each node's sum is one user's clipped update (norm 1 = C): accepted; nan rejected
         assert row["answered_nodes"] == 2 and sum(row["rejected_nodes"].values()) == 1
+
+
+def test_a_node_clipping_its_sum_is_checked_against_c_with_factor_2(tmp_path):
+    """user_sensitivity_factor = 2 states that a node clips the sum of its users to C: a sum
+    above C (what k users clipped one by one can make) is rejected, one within C accepted."""
+    from flwr.app import Message
+
+    from fedpriv_flwr.users import user_sum_reply
+
+    grid = FakeGrid(2, lambda node, arrays: arrays)
+
+    def send(messages, timeout=None):
+        out = []
+        for m in messages:
+            if m.metadata.message_type != "train":
+                continue
+            base = {k: v.numpy() for k, v in m.content["arrays"].items()}
+            users = 3 if m.metadata.dst_node_id == 1 else 1  # node 1's sum has norm 3 > C
+            models = [{k: v + 1.0 for k, v in base.items()} for _ in range(users)]
+            out.append(Message(user_sum_reply(m, models), reply_to=m))
+        return out
+
+    grid.send_and_receive = send  # type: ignore[method-assign]
+    s, _ = _run(tmp_path, grid, rounds=1, num_users=4, delta=1e-2, clip_norm=1.0,
+                multi_user_nodes=True, user_sensitivity_factor=2.0)
+    row = s.rows[0]
+    assert row["answered_nodes"] == 1 and row["users"] == 1
+    assert sum(row["rejected_nodes"].values()) == 1
