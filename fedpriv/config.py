@@ -40,6 +40,7 @@ METRICS_SPLITS = ("test", "validation")
 ACCOUNTANTS = ("pld", "rdp")
 NEIGHBOURING_RELATIONS = ("add-remove", "replace-one")
 FAULT_KINDS = ("crash", "timeout", "corrupt")
+AGGREGATIONS = ("central", "distributed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,8 +90,25 @@ class RunConfig:
         "would compose to more refuses to start; 0 = the target epsilon is the ceiling",
         lambda x: x >= 0 and finite(x), "a finite number >= 0", resumable=True))
     secure_noise: bool = key(Param(
-        "secure-noise", bool, False, "privacy noise from an OS-entropy-seeded generator (not "
-        "reproducible); refuses a fixed noise-seed"))
+        "secure-noise", bool, False, "publishable noise: discrete Gaussian noise on a "
+        "power-of-two grid from a cryptographic generator seeded by the OS (not reproducible); "
+        "the exponential mechanism sampled exactly; needs accountant = `rdp` and no Poisson "
+        "sampling by the server; refuses a fixed noise-seed"))
+    aggregation: str = key(Param(
+        "aggregation", str, "central", "`central` (the server adds the noise: it is trusted) "
+        "or `distributed` (each node adds its share of Skellam noise to its rotated, "
+        "quantized sum, modulo 2^b; the server sees the sum of the shares); distributed needs "
+        "accountant = `rdp` and no Poisson sampling by the server",
+        *one_of(AGGREGATIONS)))
+    collusion_threshold: float = key(Param(
+        "collusion-threshold", float, 0.1, "distributed: the fraction of nodes (rounded down) "
+        "that may drop out of a round or collude with the server; each node's noise share is "
+        "sized so that the other nodes' shares alone carry the planned noise",
+        lambda x: 0 <= x < 1, "a number in [0, 1) (at 1 no honest node's noise would be left)"))
+    modulus_bits: int = key(Param(
+        "modulus-bits", int, 0, "distributed: bits b of the modular sum (mod 2^b); 0 = the "
+        "smallest b whose wrap-around probability is at most 1e-9",
+        lambda x: x == 0 or 2 <= x <= 62, "0 (automatic) or an integer in [2, 62]"))
     noise_seed: int = key(Param(
         "noise-seed", int, -1, "seed of the privacy noise only; -1 = derived from seed",
         lambda x: x >= -1, "an integer >= -1", public=False))
@@ -147,6 +165,14 @@ class RunConfig:
             raise ConfigError(f"noise-seed: {self.noise_seed} is not allowed with secure-noise "
                               "= true (the noise comes from OS entropy; a fixed noise seed "
                               "would make it predictable); remove noise-seed")
+        discrete = [k for k, on in (("secure-noise = true", self.secure_noise),
+                                    ('aggregation = "distributed"',
+                                     self.aggregation == "distributed")) if on]
+        if discrete and self.accountant != "rdp":
+            raise ConfigError(f"accountant: {discrete[0]} draws discrete noise, whose guarantee "
+                              "is a zCDP bound accounted with RDP (dp-accounting's PLD of a "
+                              "continuous Gaussian does not cover it); set accountant = "
+                              '"rdp"')
         if self.max_epsilon and self.epsilon > self.max_epsilon:
             raise ConfigError(f"epsilon: the target {self.epsilon} exceeds max-epsilon "
                               f"({self.max_epsilon}); the run would spend more than allowed")

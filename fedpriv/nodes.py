@@ -17,6 +17,7 @@ import numpy as np
 from fedpriv.algorithms.base import Algorithm, Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.data.cache import block_users
+from fedpriv.shares import encode_shares, split_parameters
 
 
 def auto_num_nodes(num_users: int, users_per_node: int) -> int:
@@ -33,6 +34,15 @@ def node_step(algorithm: type[Algorithm[Any]], config: RunConfig, step: Step,
     """The node's answer to ``step`` for the users it hosts: the algorithm's user step over
     blocks of at most ``block_users()`` hosted users (those of each block that take part in
     the step), summed."""
+    arrays, shares = split_parameters(arrays)
+    total = _users_step(algorithm, config, step, arrays, hosted)
+    if shares is not None:  # aggregation = "distributed": this node's noisy share
+        return encode_shares(config.seed, step, total, shares)
+    return total
+
+
+def _users_step(algorithm: type[Algorithm[Any]], config: RunConfig, step: Step,
+                arrays: Mapping[str, np.ndarray], hosted: np.ndarray) -> UserContribution:
     size = block_users()
     total: UserContribution | None = None
     for start in range(0, len(hosted), size):

@@ -170,3 +170,21 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_e
     assert flower_eval["step"] == local_eval["step"] == "eval-1"
     assert flower_eval["accuracy"] == pytest.approx(local_eval["accuracy"], abs=1e-6)
     assert (tmp_path / "results.curve.png").is_file()  # drawn by the ServerApp
+
+
+def test_distributed_noise_shares_travel_through_flower(tmp_path, flower_env):
+    """aggregation = distributed through the real runtime: the share parameters reach the
+    nodes in the broadcast, their int64 vectors mod 2^b come back, the server decodes the sum,
+    and the ledger's epsilon is the run's; the release says who is trusted."""
+    results, _ = run_cli(flower_env, tmp_path, num_users=800, dim=10, epsilon=2.0,
+                         users_per_node=200, rounds=2, aggregation="distributed",
+                         accountant="rdp")
+    privacy = results["privacy"]
+    assert results["num_nodes"] == 4 and results["rejections"] == {}
+    assert [e["mechanism"] for e in privacy["ledger"]] == ["distributed skellam"] * 3
+    assert all(e["honest_nodes"] == 4 for e in privacy["ledger"])
+    assert 1.9 < privacy["epsilon"] <= 2.0
+    assert results["metrics"]["population_mse"] < 0.2 * results["metrics"]["local_only_mse"]
+    release = json.loads((tmp_path / "results.release.json").read_text())
+    assert release["publishable"] is True
+    assert release["privacy"]["trust"]["aggregation"] == "distributed"

@@ -11,6 +11,7 @@ from fedpriv.algorithms.catalogue import BUILTIN
 from fedpriv.config import ConfigError
 from fedpriv.configure import parse_config, select_keys
 from fedpriv.engine import run_in_process
+from fedpriv.evaluation import algorithm_for
 from fedpriv.outputs import public_config, publishable, release_document, write_outputs
 from tests.test_accounting import analytic_gaussian_epsilon
 
@@ -109,12 +110,15 @@ def test_every_field_of_a_release_is_public_config_the_ledger_or_a_post_processi
 
 
 @pytest.mark.parametrize("name", PRIVATE)
-def test_a_secure_noise_release_is_publishable_unless_its_sample_comes_from_the_seed(name):
-    report = run_in_process(tiny_config(name, secure_noise=True), log=lambda _: None)
-    ok, why = publishable(report)
-    sampled = any(e.get("sampling_rate", 1.0) < 1 for e in report["privacy"]["ledger"])
-    assert ok is not sampled
-    assert ("Poisson sample" in why) is sampled
+def test_a_secure_noise_release_is_publishable_and_a_sampled_one_is_refused(name):
+    config = tiny_config(name, secure_noise=True, accountant="rdp")
+    sampled = any(r.sampling_rate < 1 for r in algorithm_for(config)(config).privacy_plan())
+    if sampled:  # the discrete Gaussian is accounted without amplification: refused up front
+        with pytest.raises(ConfigError, match="(users|tasks)-per-round: secure-noise"):
+            run_in_process(config, log=lambda _: None)
+        return
+    report = run_in_process(config, log=lambda _: None)
+    assert publishable(report) == (True, "")
 
 
 def test_a_seeded_release_is_not_publishable_and_a_secure_noise_release_is(tmp_path):
@@ -128,7 +132,7 @@ def test_a_seeded_release_is_not_publishable_and_a_secure_noise_release_is(tmp_p
         '{"document": "fedpriv OPERATOR REPORT')
     release = json.loads(release_path.read_text())
     assert release["publishable"] is False and "seeded" in release["not_publishable_because"]
-    secure = run_in_process(tiny_config("private-fedrep", secure_noise=True),
+    secure = run_in_process(tiny_config("private-fedrep", secure_noise=True, accountant="rdp"),
                             log=lambda _: None)
     assert publishable(secure) == (True, "")
     nothing = run_in_process(tiny_config("local-only"), log=lambda _: None)
@@ -180,7 +184,8 @@ def test_the_flower_app_writes_a_publishable_release_with_private_metrics(tmp_pa
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out),
                            "--set", "num-users=600", "--set", "rounds=2", "--set",
-                           "secure-noise=true", "--set", "private-metrics=true"],
+                           "secure-noise=true", "--set", "accountant=rdp", "--set",
+                           "private-metrics=true"],
                           env=flower_env, capture_output=True, text=True, timeout=480,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -643,36 +643,38 @@ def test_secure_noise_is_fresh_every_run_and_seeded_noise_repeats(algorithm):
 
     assert released() == released()  # seeded: reproducible
     assert released(noise_seed=5) != released()  # the noise seed moves the noise only
-    secure = {released(secure_noise=True) for _ in range(3)}
+    secure = {released(secure_noise=True, accountant="rdp") for _ in range(3)}
     assert len(secure) > 1  # three identical draws would be a 1-in-160,000 event for a-exp
-    results = quiet(make_config(algorithm, secure_noise=True), parts=2)
+    results = quiet(make_config(algorithm, secure_noise=True, accountant="rdp"), parts=2)
     assert results["privacy"]["noise"] == "os-entropy"
     assert results["privacy"]["epsilon"] <= 4.0
 
 
-def test_secure_noise_takes_its_seed_from_os_entropy(monkeypatch):
-    """Each release's generator is seeded by numpy's SeedSequence() without entropy, which
-    reads 128 bits from the OS (secrets); never from the config."""
+def test_secure_noise_takes_its_key_from_os_entropy(monkeypatch):
+    """Each release's ChaCha20 stream is keyed by 256 bits from the OS (secrets), one key per
+    release; never from the config."""
+    import fedpriv.privacy.discrete as discrete
     calls = []
-    real = np.random.SeedSequence
+    real = discrete.secrets.randbits
 
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(np.random, "SeedSequence", spy)
-    results = quiet(make_config("private-fedrep", secure_noise=True), parts=2)
+    def spy(bits):
+        calls.append(bits)
+        return real(bits)
+    monkeypatch.setattr(discrete.secrets, "randbits", spy)
+    results = quiet(make_config("private-fedrep", secure_noise=True, accountant="rdp"), parts=2)
     releases = len(results["privacy"]["ledger"])
-    assert calls == [((), {})] * releases  # one OS-entropy seed per release, nothing passed
+    assert calls == [256] * releases  # one OS-entropy key per release
 
 
 def test_secure_noise_survives_a_resume_of_dp_ftmrl(tmp_path):
     """DP-FTMRL's tree noise is secret server state: with OS-entropy noise it cannot be
     redrawn, so the checkpoint carries it and the resumed run continues the same tree."""
-    config = make_config("dp-ftmrl", secure_noise=True)
+    config = make_config("dp-ftmrl", secure_noise=True, accountant="rdp")
     path = tmp_path / "run.checkpoint"
     server = _interrupted(config, path, stop_after=3)
     saved_nodes = copy.deepcopy(server.algorithm.nodes)
-    resumed = PrivateServer(make_config("dp-ftmrl", secure_noise=True, resume=True), 4,
+    resumed = PrivateServer(make_config("dp-ftmrl", secure_noise=True, accountant="rdp",
+                                        resume=True), 4,
                             log=lambda _: None, checkpoint_path=path)
     assert resumed.algorithm.nodes.keys() == saved_nodes.keys()
     assert all(np.array_equal(resumed.algorithm.nodes[k], v) for k, v in saved_nodes.items())

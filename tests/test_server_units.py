@@ -62,17 +62,24 @@ HOSTILE = {  # kind: (step, reply) that must be rejected as that kind
     "shape": (ROUND, NodeReply(0, contribution(grad=np.zeros((2, 6))))),
     "non-finite": (ROUND, NodeReply(0, contribution(bias=np.array([0.0, np.inf, 0.0])))),
     "metrics": (FINAL, NodeReply(0, UserContribution({}, 100, 0, {"mse": np.nan}))),
+    # a distributed step: vectors mod 2^8 of the padded dimensions
+    "range": (ROUND, NodeReply(0, UserContribution({"grad": np.full(16, 256, dtype=np.int64),
+                                                    "bias": np.zeros(4, dtype=np.int64)}, 100)),
+              {"grad": (16, 8), "bias": (4, 8)}),
 }
 
 
 @pytest.mark.parametrize("kind", REJECTION_KINDS)
 def test_every_rejection_kind_is_counted_under_its_name(kind):
-    step, hostile = HOSTILE[kind]
+    step, hostile, *ring = HOSTILE[kind]
     honest = NodeReply(1, UserContribution({}, 200, 0, {"mse": 1.0}) if step.is_final
                        else contribution(200))
+    if ring:  # distributed: the honest node sends int64 vectors in [0, 2^8)
+        honest = NodeReply(1, UserContribution({"grad": np.full(16, 255, dtype=np.int64),
+                                                "bias": np.zeros(4, dtype=np.int64)}, 200))
     checker = ReplyChecker()
 
-    checked = checker.check(step, [honest, hostile], EXPECTED)
+    checked = checker.check(step, [honest, hostile], EXPECTED, *ring)
 
     assert checked.answered == {1} and checked.accepted == [honest.contribution]
     assert [(r.partition_id, r.kind) for r in checked.rejected] == [(hostile.partition_id,

@@ -232,6 +232,9 @@ def test_a_search_that_cannot_meet_its_target_is_refused_before_anything_runs(tm
     (("rounds = [2, 3]", "rounds = [2, 3]\nneighbouring-relation = [\"add-remove\", "
       "\"replace-one\"]"), "cannot vary"),
     (("metric-clip = 0.5\n", "metric-clip = 0.5\nsecure-noise = true\n"), "seed: not allowed"),
+    (("metric-clip = 0.5\n",
+      'metric-clip = 0.5\naggregation = "distributed"\naccountant = "rdp"\n'),
+     "aggregation: a private tuning runs central candidates only"),
 ])
 def test_bad_tuning_files_fail_before_the_run_naming_the_key(tmp_path, edit, match):
     path = write(tmp_path)
@@ -363,7 +366,7 @@ def test_a_tuning_selects_on_its_noisy_score_and_releases_the_winner_alone(tmp_p
 def test_secure_noise_draws_k_and_the_candidates_from_os_entropy(tmp_path):
     path = write(tmp_path)
     path.write_text(path.read_text().replace("seed = 3\n", "").replace(
-        "metric-clip = 0.5\n", "metric-clip = 0.5\nsecure-noise = true\n"))
+        "metric-clip = 0.5\n", 'metric-clip = 0.5\nsecure-noise = true\naccountant = "rdp"\n'))
     spec = load_tune(path)
     assert spec.seed is None and spec.secure
     first = [spec.draws().integers(2**62) for _ in range(2)]
@@ -566,3 +569,11 @@ def test_a_deep_tuning_through_flower_holds_back_the_same_rows_on_every_node(
         [r["score"] for r in local["candidates"]], rel=1e-9)
     assert [r["accuracy"] for r in flower["candidates"]] == pytest.approx(
         [r["accuracy"] for r in local["candidates"]], rel=1e-9)
+
+
+def test_a_compose_all_tuning_of_secure_noise_candidates_is_refused(tmp_path):
+    path = write(tmp_path, method='method = "compose-all"\nsearch = "grid"')
+    path.write_text(path.read_text().replace("seed = 3\n", "").replace(
+        "metric-clip = 0.5\n", 'metric-clip = 0.5\nsecure-noise = true\naccountant = "rdp"\n'))
+    with pytest.raises(ConfigError, match="method: compose-all .* discrete Gaussian"):
+        load_tune(path)

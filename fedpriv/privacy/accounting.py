@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -30,6 +30,9 @@ from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
 
 from fedpriv.config import ACCOUNTANTS, NEIGHBOURING_RELATIONS
+from fedpriv.privacy.bounds import InfeasiblePlanError as InfeasiblePlanError
+from fedpriv.privacy.bounds import _gdp_epsilon, _gdp_mu
+from fedpriv.privacy.bounds import gdp_mu as gdp_mu
 
 _RELATIONS = ("add-remove", "replace-one")
 
@@ -39,10 +42,6 @@ _RELATIONS = ("add-remove", "replace-one")
 _MU_FLOOR = 1e-6
 _MAX_DOUBLINGS = 40
 _MIN_MULTIPLIER = 0.05
-
-
-class InfeasiblePlanError(ValueError):
-    """The requested privacy plan cannot meet its target."""
 
 
 def mean_sensitivity(clip_norm: float, population: int, relation: str) -> float:
@@ -95,6 +94,11 @@ def make_accountant(
                                  value_discretization_interval=1e-3 if sampled else 1e-4)
     if kind == "rdp":
         return rdp.RdpAccountant(neighboring_relation=shift)
+    if kind == DISCRETE_ACCOUNTANT:
+        if sampled:
+            raise InfeasiblePlanError("discrete noise (secure-noise, distributed aggregation) "
+                                      "is accounted without Poisson sampling")
+        return rdp.RdpAccountant(orders=list(INTEGER_ORDERS), neighboring_relation=shift)
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
 
 
@@ -118,17 +122,33 @@ class PlannedRelease:
 
 
 # An accounted release: (noise multiplier z = std / Delta, Poisson sampling rate q) for a
-# Gaussian release; (epsilon, 0.0) for a pure epsilon-DP release (rate 0 marks it).
+# Gaussian release; (epsilon, 0.0) for a pure epsilon-DP release (rate 0 marks it); (rho, -1.0)
+# for a rho-zCDP release (discrete noise: ``ZCDP`` marks it).
 EventKey = tuple[float, float]
 PURE = 0.0
+ZCDP = -1.0
+
+# The accountant of discrete noise (secure-noise, distributed aggregation): dp-accounting's RDP
+# evaluated at integer orders only. The Skellam bound (Agarwal, Kairouz & Liu 2021) is stated
+# for integer orders; the discrete Gaussian's zCDP bound holds at every order. Gaussian and
+# zCDP releases of one run are composed on the same orders, so the plan's calibration and the
+# ledger agree.
+DISCRETE_ACCOUNTANT = "rdp-int"
+INTEGER_ORDERS = tuple(range(2, 129)) + tuple(range(136, 257, 8)) + (320, 384, 512, 768, 1024)
 
 
 def _is_pure(key: EventKey) -> bool:
     return key[1] == PURE
 
 
+def _sampled(keys: Iterable[EventKey]) -> bool:
+    return any(0.0 < q < 1.0 for _, q in keys)
+
+
 def _dp_event(key: EventKey, relation: str, sampled_plan: bool) -> dp_accounting.DpEvent:
     z, q = key
+    if q == ZCDP:
+        return dp_accounting.ZCDpEvent(z)
     if sampled_plan and relation == "replace-one":
         # REPLACE_ONE accountant: multiplier relative to the per-user bound (Delta / 2)
         z = 2.0 * z
@@ -139,7 +159,7 @@ def _dp_event(key: EventKey, relation: str, sampled_plan: bool) -> dp_accounting
 def composed_event(counts: Mapping[EventKey, int], relation: str) -> dp_accounting.DpEvent:
     """The composition of ``counts[key]`` releases of each kind (order does not matter for the
     composed privacy loss), as one dp-accounting event."""
-    sampled = any(q < 1.0 for _, q in counts)
+    sampled = _sampled(counts)
     return dp_accounting.ComposedDpEvent([
         dp_accounting.SelfComposedDpEvent(_dp_event(key, relation, sampled), n)
         for key, n in sorted(counts.items()) if n > 0
@@ -167,7 +187,7 @@ def epsilon_of(
 def _epsilon_cached(items: tuple[tuple[EventKey, int], ...], delta: float, kind: str,
                     relation: str) -> float:
     counts = dict(items)
-    acc = make_accountant(kind, relation, sampled=any(q < 1.0 for _, q in counts))
+    acc = make_accountant(kind, relation, sampled=_sampled(counts))
     acc.compose(composed_event(counts, relation))
     return float(acc.get_epsilon(delta))
 
@@ -341,50 +361,6 @@ def calibrate_gaussian_plan(
     return _never_overshoot(1.0 / mu)
 
 
-def gdp_mu(epsilon: float, delta: float) -> float:
-    """The mu at which a mu-GDP mechanism is exactly (epsilon, delta)-DP (Dong, Roth & Su)."""
-    return _gdp_mu(epsilon, delta)
-
-
-def _gdp_delta(mu: float, eps: float) -> float:
-    """Delta at ``eps`` of a mu-GDP mechanism (Dong, Roth & Su 2019, Cor. 2.13)."""
-    from scipy.stats import norm
-
-    second = eps + norm.logcdf(-eps / mu - mu / 2)  # log of e^eps Phi(.), overflow-free
-    return float(norm.cdf(-eps / mu + mu / 2) - math.exp(min(second, 700.0)))
-
-
-def _gdp_mu(epsilon: float, delta: float) -> float:
-    """The mu at which a mu-GDP mechanism is exactly (epsilon, delta)-DP."""
-    from scipy.optimize import brentq
-
-    lo, hi = 1e-3, 1.0
-    while _gdp_delta(hi, epsilon) < delta:
-        lo, hi = hi, 2.0 * hi
-    while _gdp_delta(lo, epsilon) >= delta:  # tiny targets need a tiny mu
-        if lo < 1e-12:
-            raise InfeasiblePlanError(f"(epsilon={epsilon}, delta={delta}) is below what any "
-                                      "Gaussian plan can calibrate to")
-        lo, hi = lo / 2.0, lo
-    return float(brentq(lambda mu: _gdp_delta(mu, epsilon) - delta, lo, hi, xtol=1e-12,
-                        rtol=1e-13))
-
-
-def _gdp_epsilon(mu: float, delta: float) -> float:
-    """Epsilon at ``delta`` of a mu-GDP mechanism."""
-    from scipy.optimize import brentq
-
-    def gap(eps: float) -> float:
-        return _gdp_delta(mu, eps) - delta
-
-    hi = 1.0
-    while gap(hi) > 0:
-        if hi > 1e4:
-            return math.inf
-        hi *= 2.0
-    return 0.0 if gap(0.0) <= 0 else brentq(gap, 0.0, hi, xtol=1e-9)
-
-
 class Accountant:
     """Composes the releases of one run as they happen and keeps a ledger.
 
@@ -454,6 +430,22 @@ class Accountant:
         elif parts:
             entry["parts"] = list(parts)
         self.ledger.append(entry)
+        return spent
+
+    def record_zcdp(self, name: str, rho: float, details: Mapping[str, Any]) -> float:
+        """Compose one rho-zCDP release that every user takes part in (discrete noise: the
+        distributed Skellam sum, ``skellam_rho``); returns the epsilon spent so far. Needs the
+        integer-order RDP accountant (``DISCRETE_ACCOUNTANT``)."""
+        if self.kind != DISCRETE_ACCOUNTANT:
+            raise ValueError(f"a zCDP release needs the {DISCRETE_ACCOUNTANT} accountant, "
+                             f"not {self.kind}")
+        if not rho > 0:
+            raise ValueError(f"rho must be > 0, got {rho}")
+        self._common[(float(rho), ZCDP)] += 1
+        self._stale.update(self._spent)
+        spent = self.epsilon()
+        self.ledger.append({"release": name, "mechanism": "zcdp", "rho": rho,
+                            "user_group": None, "epsilon_spent": spent, **details})
         return spent
 
     def record_pure(self, name: str, epsilon: float,

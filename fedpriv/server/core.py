@@ -25,10 +25,22 @@ from fedpriv.configure import config_defaults
 from fedpriv.evaluation import EVALUATE, EvaluatedAlgorithm, algorithm_for
 from fedpriv.faults import failing_partitions
 from fedpriv.privacy.accounting import Accountant
+from fedpriv.server.discrete import (
+    SharePlan,
+    check_delta_slack,
+    check_discrete,
+    decode_sum,
+    honest_count,
+    honest_minimum,
+    ring_layout,
+    share_plan,
+)
+from fedpriv.server.discrete import payload as share_payload
 from fedpriv.server.release import Releaser, calibrate
 from fedpriv.server.replies import LOST_KINDS, CheckedReplies, NodeReply, ReplyChecker
 from fedpriv.server.report import progress_line, results_dict, step_report
 from fedpriv.server.store import CheckpointStore, algorithm_state
+from fedpriv.shares import DISTRIBUTED_KEY
 
 
 class PrivateServer:
@@ -41,6 +53,8 @@ class PrivateServer:
         self.log, self.checkpoint_path = log, checkpoint_path
         self.algorithm: Algorithm[Any] = algorithm_for(config)(config)
         self.plan = self.algorithm.privacy_plan()
+        check_discrete(config, self.algorithm, self.plan)
+        check_delta_slack(config, self.plan, num_partitions)
         calibrated = calibrate(config, self.plan)
         releases = [s for s in self.steps() if s.release is not None]
         self.release = Releaser(config, self.algorithm, self.plan, calibrated,
@@ -58,7 +72,13 @@ class PrivateServer:
         self._hosted = ({p: len(ids) for p, ids in self._partition_users.items()}
                         or dict.fromkeys(range(num_partitions), 1))
         self._expected_cache: tuple[str, dict[int, int | None]] | None = None
+        self._share_cache: tuple[str, list[SharePlan]] | None = None
         self.resumed_from: int | None = None
+        self.distributed = config.aggregation == "distributed" and bool(self.plan)
+        for step in self.steps():  # a modulus too small fails now (share_plans raises)
+            if self.distributed and step.release is not None:
+                self.share_plans(step)
+                break
         self.store = CheckpointStore(checkpoint_path)  # locked: one server per checkpoint
         try:
             self._start()
@@ -128,7 +148,23 @@ class PrivateServer:
         return self.steps()[self.completed:]
 
     def payload(self, step: Step) -> dict[str, np.ndarray]:
-        return self.algorithm.broadcast(step)
+        """The step's broadcast; a distributed release adds the nodes' share parameters."""
+        arrays = self.algorithm.broadcast(step)
+        if self.distributed and step.release is not None:
+            arrays = {**arrays, DISTRIBUTED_KEY: share_payload(self.share_plans(step))}
+        return arrays
+
+    def share_plans(self, step: Step) -> list[SharePlan]:
+        """A distributed step's per-part parameters (``fedpriv.server.discrete``)."""
+        key = step.to_json()
+        if self._share_cache is None or self._share_cache[0] != key:
+            assert step.release is not None
+            z = self.multipliers[step.release]
+            population = step.population or self.config.num_users
+            self._share_cache = (key, [
+                share_plan(self.config, part, z / np.sqrt(part.share), population,
+                           self.num_partitions) for part in step.parts])
+        return self._share_cache[1]
 
     def expected_users(self, step: Step) -> dict[int, int | None]:
         """{partition: how many of its users take part in ``step``} (public values only; with
@@ -153,7 +189,10 @@ class PrivateServer:
             raise RuntimeError(f"step {step.label} is out of order; next is "
                                f"{self.pending_steps()[0].label}")
         rejections, bounded = Counter(self.rejections), self.bounded
-        checked = self.replies.check(step, replies, self.expected_users(step))
+        ring = (ring_layout(step, self.share_plans(step))
+                if self.distributed and step.release is not None and not step.is_final
+                else None)
+        checked = self.replies.check(step, replies, self.expected_users(step), ring)
         for r in checked.rejected:
             self.log(f"  {step.label}: rejected node (partition {r.partition_id}): {r.kind}: "
                      f"{r.detail}")
@@ -208,6 +247,18 @@ class PrivateServer:
             scores = self.replies.bounded_sum(step.parts[0], accepted) / population
             return self.release.select(step, scores, population)
         scale = self.release.rescale(step, answered, self._hosted, self.expected_users(step))
+        if self.distributed and step.release is not None:
+            plans = self.share_plans(step)
+            sums = {part.name: decode_sum([a.totals[part.name] for a in accepted], plan,
+                                          self.config.seed, step.label, part.name,
+                                          int(np.prod(part.shape)))
+                    for part, plan in zip(step.parts, plans, strict=True)}
+            honest = honest_count(self.config, self.num_partitions, len(accepted))
+            if honest < honest_minimum(self.config, self.num_partitions):
+                self.log(f"  {step.label}: only {honest} honest nodes' noise shares (more nodes "
+                         "dropped out than collusion-threshold allows): the ledger records the "
+                         "noise that was present")
+            return self.release.distributed(step, sums, plans, population, honest, scale)
         means = {part.name: self.replies.bounded_sum(part, accepted) / population
                  for part in step.parts}
         exact: dict[str, Any] = {}

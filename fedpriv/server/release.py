@@ -9,7 +9,11 @@ sensitivity of that mean to one user (``clip_norm / n``, twice that under replac
 shares sum to 1, so the step is one Gaussian mechanism with multiplier ``z``, which is what the
 accountant records. An exponential-mechanism step samples one candidate from the mean scores,
 whose sensitivity is ``clip_norm / n`` under either relation, and is recorded as pure epsilon-DP.
-Each release draws from its own generator (``noise_generator``, by release index).
+Each release draws from its own generator (``noise_generator``, by release index). With
+``secure-noise`` a Gaussian part is instead the exact sum rounded to a power-of-two grid plus
+exact discrete Gaussian noise from an OS-keyed ChaCha20 stream, and the exponential mechanism is
+sampled exactly; with ``aggregation = "distributed"`` the nodes add Skellam shares and the
+release is recorded as zCDP (both: ``fedpriv.server.discrete``).
 
 The budget guard stops the run before a release over the ceiling (max-epsilon, or the target)
 leaves the server, in three places: ``check_budget`` composes, on a copy of the accountant, the
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpriv.algorithms.base import Algorithm, Step
+from fedpriv.algorithms.base import Algorithm, Part, Step
 from fedpriv.config import RunConfig
 from fedpriv.evaluation import EVALUATE
 from fedpriv.privacy.accounting import (
@@ -39,8 +43,24 @@ from fedpriv.privacy.accounting import (
     mean_sensitivity,
     pure_plan_epsilons,
 )
+from fedpriv.privacy.discrete import (
+    CryptoRandom,
+    DiscreteGaussianSource,
+    exact_exponential_mechanism,
+    grid_integers,
+    grid_scores,
+    power_of_two_at_most,
+)
 from fedpriv.privacy.mechanisms import exponential_mechanism
 from fedpriv.randomness import noise_generator
+from fedpriv.server.discrete import (
+    FLOAT_SLACK,
+    SharePlan,
+    accountant_kind,
+    accounting_delta,
+    central_grid,
+    ledger_parts,
+)
 
 
 class BudgetExceededError(InfeasiblePlanError):
@@ -55,8 +75,8 @@ def calibrate(config: RunConfig, plan: Sequence[PlannedRelease]) -> list[float]:
     try:
         if any(r.mechanism == "exponential" for r in plan):
             return pure_plan_epsilons(plan, config.epsilon)
-        return calibrate_gaussian_plan(plan, config.epsilon, config.delta, config.accountant,
-                                       config.neighbouring_relation)
+        return calibrate_gaussian_plan(plan, config.epsilon, accounting_delta(config),
+                                       accountant_kind(config), config.neighbouring_relation)
     except InfeasiblePlanError as err:
         raise InfeasiblePlanError(f"refusing to start: {err}") from None
 
@@ -85,11 +105,12 @@ class Releaser:
         values = {r.name: v for r, v in zip(plan, calibrated, strict=True)}
         self.multipliers: dict[str, float] = {} if self.pure else values
         self.pure_epsilons: dict[str, float] = values if self.pure else {}
-        self.accountant = Accountant(config.accountant, config.neighbouring_relation,
-                                     config.delta)
+        self.accountant = Accountant(accountant_kind(config), config.neighbouring_relation,
+                                     accounting_delta(config))
         self.releases = 0
         self.unnoised = 0
         self.verified: dict[str, float] = {}  # the plan values check_budget composed
+        self.last_grid_sums: dict[str, np.ndarray] = {}  # secure-noise: the noisy sums on grid
 
     # ----- budget guard ----------------------------------------------------------------------
     def check_budget(self, steps: Sequence[Step], pending: Sequence[Step],
@@ -172,9 +193,14 @@ class Releaser:
                 continue
             z_part = z / math.sqrt(part.share)
             sensitivity = mean_sensitivity(part.clip_norm, population, c.neighbouring_relation)
-            std = z_part * sensitivity
-            rng = noise_generator(c, self.releases)
             self.releases += 1
+            if c.secure_noise:
+                value, entry = self._on_grid(step, part, mean, z_part, sensitivity, population)
+                noisy[part.name] = scale * value
+                ledger_parts.append(entry)
+                continue
+            std = z_part * sensitivity
+            rng = noise_generator(c, self.releases - 1)
             noisy[part.name] = scale * (mean + self.algorithm.noise(step, part, std, rng))
             ledger_parts.append({"name": part.name, "noise_multiplier": z_part,
                                  "l2_sensitivity": sensitivity, "noise_std": std})
@@ -192,6 +218,56 @@ class Releaser:
                 report["epsilon_spent"] = spent
         return report
 
+    def _on_grid(self, step: Step, part: Part, mean: np.ndarray, z_part: float,
+                 sensitivity: float, population: int) -> tuple[np.ndarray, dict[str, Any]]:
+        """A publishable part (``fedpriv.server.discrete``): the exact sum rounded to the grid
+        plus exact discrete Gaussian noise from a fresh OS-seeded ChaCha20 stream, divided by
+        the population only after. The algorithm's noise hook draws it (so symmetric and
+        tree-aggregated noise keep their structure) from a source whose standard normals are
+        discrete Gaussians over sigma; its integers are recovered exactly."""
+        grid = central_grid(z_part, sensitivity * population, int(np.prod(part.shape)))
+        g = grid.granularity
+        source = DiscreteGaussianSource(grid.sigma, CryptoRandom())
+        noise = self.algorithm.noise(step, part, grid.sigma * g, source)  # type: ignore[arg-type]
+        units = np.rint(np.asarray(mean, dtype=np.float64) * population / g).astype(np.int64)
+        noisy_sum = (units + grid_integers(noise, g)).astype(np.float64) * g  # on the grid
+        self.last_grid_sums[part.name] = noisy_sum
+        return noisy_sum / population, {
+            "name": part.name, "mechanism": "discrete gaussian", "noise_multiplier": z_part,
+            "l2_sensitivity": grid.sensitivity / population, "granularity": g,
+            "sigma_grid": grid.sigma, "noise_std": grid.sigma * g / population}
+
+    def distributed(self, step: Step, sums: Mapping[str, np.ndarray],
+                    plans: Sequence[SharePlan], population: int, honest: int,
+                    scale: float = 1.0) -> dict[str, Any]:
+        """Release a distributed step from the decoded sums of the nodes' noisy shares (each
+        part's exact sum plus the honest nodes' Skellam noise): the population mean, times
+        the missing-node ``scale``; recorded as one zCDP release whose rho is that of the noise
+        the ``honest`` nodes' shares carry."""
+        z = self.multipliers[step.release] if step.release is not None else None
+        if z is None:
+            raise ValueError(f"{step.label} has no noise plan: it is not distributed")
+        self.conforms(step, z)
+        self.releases += 1
+        noisy: dict[str, np.ndarray] = {}
+        for part in step.parts:
+            value = np.asarray(sums[part.name], dtype=np.float64).reshape(part.shape)
+            if part.symmetric:  # the nodes noised the whole matrix: keep it symmetric
+                value = (value + value.T) / 2.0
+            noisy[part.name] = scale * value / population
+        report = dict(self.algorithm.apply(step, noisy))
+        if scale != 1.0:
+            report["missing_node_rescale"] = scale
+        parts = ledger_parts(step, plans, honest, population)
+        rho = sum(p["rho"] for p in parts)
+        spent = self.accountant.record_zcdp(step.label, rho, {
+            "mechanism": "distributed skellam", "noise_multiplier": z, "honest_nodes": honest,
+            "parts": parts})
+        self.guard(spent)
+        report["epsilon_spent"] = spent
+        report["honest_nodes"] = honest
+        return report
+
     def select(self, step: Step, scores: np.ndarray, population: int) -> dict[str, Any]:
         """The exponential mechanism over the candidates' mean ``scores`` (lower is better);
         without a plan entry, the best candidate. Applied to the algorithm and recorded."""
@@ -205,9 +281,15 @@ class Releaser:
         # one user moves each mean score by at most bound / population, under either relation
         # (add/remove with the population fixed: a removed user's scores are 0)
         sensitivity = part.clip_norm / population
-        rng = noise_generator(self.config, self.releases)
+        if self.config.secure_noise:  # exact sampler on grid-rounded scores (CSPRNG)
+            grid = power_of_two_at_most(sensitivity * FLOAT_SLACK)
+            sensitivity = sensitivity * (1.0 + FLOAT_SLACK) + grid
+            choice = exact_exponential_mechanism(grid_scores(scores, grid), epsilon,
+                                                 sensitivity, CryptoRandom())
+        else:
+            choice = exponential_mechanism(scores, epsilon, sensitivity,
+                                           noise_generator(self.config, self.releases))
         self.releases += 1
-        choice = exponential_mechanism(scores, epsilon, sensitivity, rng)
         report = dict(self.algorithm.apply(step, {"choice": np.array(choice)}))
         # only what the mechanism releases (the index): the exact scores are not released
         spent = self.accountant.record_pure(step.label, epsilon, {

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fedpriv.algorithms.base import Part, Step, UserContribution
+from fedpriv.server.discrete import check_ring_totals
 
 # Why a node's reply was not used: each is counted per step and over the run.
 REJECTION_KINDS = (
@@ -41,6 +42,7 @@ REJECTION_KINDS = (
     "dtype",  # not a real floating-point array
     "shape",  # not the part's shape
     "non-finite",  # NaN or infinity
+    "range",  # distributed: a value outside [0, 2^b)
     "metrics",  # final step: missing or non-finite metrics
 )
 
@@ -110,7 +112,8 @@ def common_metric_keys(replies: Sequence[NodeReply]) -> frozenset[str]:
 
 
 def reply_problem(step: Step, reply: NodeReply, expected: Mapping[int, int | None],
-                  seen: set[int], metric_keys: frozenset[str] | None) -> tuple[str, str] | None:
+                  seen: set[int], metric_keys: frozenset[str] | None,
+                  ring: Mapping[str, tuple[int, int]] | None = None) -> tuple[str, str] | None:
     """(kind, detail) of why ``reply`` cannot be used, or None. ``expected``: {partition: users
     taking part, or None where the server cannot know it (natural users: the node's count is
     its own)}; ``seen``: partitions already accepted in the step; ``metric_keys``: the final
@@ -129,6 +132,9 @@ def reply_problem(step: Step, reply: NodeReply, expected: Mapping[int, int | Non
     if not 0 <= contrib.num_clipped <= contrib.num_users:
         return "malformed", f"{contrib.num_clipped} users clipped of {contrib.num_users}"
     if metric_keys is None:
+        if ring is not None:  # distributed: vectors mod 2^b (``fedpriv.server.discrete``)
+            totals = contrib.totals if isinstance(contrib.totals, Mapping) else {}
+            return check_ring_totals(totals, ring)
         return check_totals(step, contrib)
     if (not isinstance(contrib.metrics, Mapping) or frozenset(contrib.metrics) != metric_keys
             or not all(np.isfinite(v) for v in contrib.metrics.values())):
@@ -162,14 +168,16 @@ class ReplyChecker:
         self.bounded = 0
 
     def check(self, step: Step, replies: Sequence[NodeReply],
-              expected: Mapping[int, int | None]) -> CheckedReplies:
-        """Sort ``replies`` into usable contributions and counted rejections."""
+              expected: Mapping[int, int | None],
+              ring: Mapping[str, tuple[int, int]] | None = None) -> CheckedReplies:
+        """Sort ``replies`` into usable contributions and counted rejections (``ring``: a
+        distributed step's {part: (padded dimension, bits)})."""
         seen: set[int] = set()
         accepted: list[UserContribution] = []
         rejected: list[Rejection] = []
         metric_keys = common_metric_keys(replies) if step.is_final else None
         for reply in replies:
-            problem = reply_problem(step, reply, expected, seen, metric_keys)
+            problem = reply_problem(step, reply, expected, seen, metric_keys, ring)
             if problem is not None:
                 self.rejections[problem[0]] += 1
                 rejected.append(Rejection(reply.partition_id, *problem))

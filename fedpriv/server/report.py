@@ -12,6 +12,7 @@ from typing import Any
 
 from fedpriv.algorithms.base import EXACT_EVAL, Step
 from fedpriv.config import RunConfig
+from fedpriv.server.discrete import discrete, trust
 
 # metrics shown on a progress line, when a step reports them
 PROGRESS_METRICS = ("subspace_distance", "population_mse", "test_mse", "local_only_mse",
@@ -77,10 +78,14 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
             "epsilon": epsilon,
             "target_epsilon": c.epsilon,
             "max_epsilon": c.ceiling,
-            "noise": "os-entropy" if c.secure_noise else "seeded",
+            "noise": "os-entropy" if c.secure_noise or c.aggregation == "distributed"
+                     else "seeded",
+            # who the guarantee trusts, and what noise it was drawn with
+            "trust": trust(c, num_nodes),
             # pure epsilon-DP runs (exponential mechanism): delta 0
             "delta": 0.0 if pure else c.delta,
-            "accountant": c.accountant,
+            "accountant": ("rdp (integer orders, zCDP bounds of discrete noise)"
+                           if discrete(c) else c.accountant),
             "neighbouring_relation": c.neighbouring_relation,
             "level": "user",
             "noise_multipliers": multipliers,

@@ -200,6 +200,13 @@ def load_tune(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
         elif "candidates" in tune:
             raise ConfigError("[tune] candidates: a grid runs every point once")
     secure = bool(base.get("secure-noise"))
+    if base.get("aggregation", "central") != "central":
+        raise ConfigError("aggregation: a private tuning runs central candidates only (a "
+                          "distributed candidate's noise depends on which nodes answered)")
+    if secure and method == "compose-all":
+        raise ConfigError("method: compose-all composes the candidates with the PLD "
+                          "accountant, which does not cover secure-noise's discrete Gaussian; "
+                          "use random stopping (RDP)")
     if secure and "seed" in tune:
         raise ConfigError("[tune] seed: not allowed with secure-noise = true (K and the draws "
                           "then come from OS entropy: the selection's privacy needs them secret)")

@@ -1,0 +1,288 @@
+"""Discrete noise: the grid, the parameters and the checks of publishable and distributed runs.
+
+Two modes draw integer noise on a power-of-two grid instead of floating-point Gaussians.
+
+* **Publishable central noise** (``secure-noise = true``). The server rounds each part's exact
+  sum to the grid of granularity ``g`` (to nearest), adds discrete Gaussian noise
+  ``N_Z(0, s^2)`` (Canonne, Kamath & Steinke 2020, sampled exactly from a ChaCha20 stream
+  seeded by the OS) and only then divides by the population (post-processing). Rounding moves
+  one user's effect by less than ``g`` per coordinate, so the rounded sum's L2 sensitivity is at
+  most ``Delta + g sqrt(d)`` (the grid's slack). ``s = ceil(z (Delta / g + sqrt(d)))``: the
+  multivariate discrete Gaussian is ``Delta_g^2 / (2 s^2)``-zCDP for integer shifts of L2 norm
+  ``Delta_g`` (CKS, Theorem 14), at most ``1 / (2 z^2)``: the RDP curve of the Gaussian with the
+  planned multiplier ``z``, which is what the accountant records.
+* **Distributed noise** (``aggregation = "distributed"``). Each node divides its sum by ``g``,
+  rotates it with public random signs and a Walsh-Hadamard transform, rounds it randomly
+  (conditionally: re-drawn while its norm exceeds the bound of Kairouz, Liu & Steinke 2021),
+  adds its share of Skellam noise from its own CSPRNG and reduces modulo ``2^b``; the server
+  sums the vectors modulo ``2^b``, lifts, un-rotates and multiplies by ``g``. With the same
+  rounding uniforms, one user moves a node's rounded vector by less than ``D + 1`` per
+  coordinate where its exact sum moved by ``D``, so the sensitivities in grid units are
+  ``l2 = Delta / g + sqrt(d)`` and ``l1 = sqrt(d) Delta / g + d`` (``d``: the padded
+  dimension; both with a ``2^-20`` relative allowance for the floating-point sum and rotation);
+  Rényi divergence is jointly quasi-convex, so the bound holds for the mixture over the
+  uniforms. The honest nodes' Skellam shares sum to one Skellam of variance
+  ``mu = h * mu_node``, accounted by ``skellam_rho``. The conditional re-draw happens with
+  probability at most ``BETA`` per node and release; the transcript is then within total
+  variation ``R K BETA`` of the unconditioned one (R releases, K nodes), which adds
+  ``(1 + e^eps) R K BETA`` to delta: the accountant works at ``delta`` minus that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedpriv.algorithms.base import Algorithm, Part, Step
+from fedpriv.config import ConfigError, RunConfig
+from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, PlannedRelease
+from fedpriv.privacy.bounds import skellam_rho
+from fedpriv.privacy.discrete import power_of_two_at_most
+from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim
+from fedpriv.shares import BETA
+from fedpriv.shares import decode_sum as decode_flat
+
+# the grid: rounding slack sqrt(d) g at most 1 / SLACK_FACTOR of the sensitivity
+SLACK_FACTOR = 2.0 ** 10
+# the largest discrete Gaussian sigma (grid units) the exact sampler takes
+MAX_SIGMA = 2 ** 24
+# relative allowance for floating-point error in a node's sum and rotation
+FLOAT_SLACK = 2.0 ** -20
+WRAP_TARGET = 1e-9
+# distributed: the share of delta kept for the conditional-rounding slack
+DELTA_RESERVE = 1e-6
+
+
+def discrete(config: RunConfig) -> bool:
+    """Whether the run draws discrete noise (and is accounted by ``DISCRETE_ACCOUNTANT``)."""
+    return config.secure_noise or config.aggregation == "distributed"
+
+
+def accountant_kind(config: RunConfig) -> str:
+    return DISCRETE_ACCOUNTANT if discrete(config) else config.accountant
+
+
+def sampling_key(config: RunConfig) -> str:
+    """The key that turns on the server's Poisson sampling, for error messages."""
+    for attr, name in (("users_per_round", "users-per-round"),
+                       ("tasks_per_round", "tasks-per-round")):
+        if hasattr(config, attr):
+            return name
+    return "the algorithm's sampling"
+
+
+def check_discrete(config: RunConfig, algorithm: Algorithm[Any],
+                   plan: Sequence[PlannedRelease]) -> None:
+    """Refuse, before round 1, what discrete noise cannot do, naming the key."""
+    if not discrete(config) or not plan:
+        return
+    mode = ('aggregation = "distributed"' if config.aggregation == "distributed"
+            else "secure-noise = true")
+    sampled = [r for r in plan if r.sampling_rate < 1.0]
+    if sampled:
+        raise ConfigError(
+            f"{sampling_key(config)}: {mode} cannot use Poisson sampling by the server (release "
+            f"{sampled[0].name!r} samples users at rate {sampled[0].sampling_rate:.4g}): "
+            + ("a server that knows who was sampled gets no amplification; "
+               if config.aggregation == "distributed" else
+               "the discrete Gaussian's zCDP bound is accounted without amplification; ")
+            + "run every user every round")
+    if config.aggregation != "distributed":
+        return
+    if any(r.mechanism == "exponential" for r in plan):
+        raise ConfigError(f"aggregation: {config.algorithm} releases a choice by the exponential "
+                          "mechanism, not a sum: distributed noise cannot make it private; use "
+                          'aggregation = "central"')
+    own = [k for k in type(algorithm).__mro__ if "noise" in vars(k)
+           and k.__module__ not in ("fedpriv.algorithms.base", "fedpriv.evaluation")]
+    if own:
+        raise ConfigError(f"aggregation: {config.algorithm} draws its own noise ({own[0].__name__}"
+                          ".noise, e.g. tree-aggregated noise correlated across rounds), not an "
+                          "independent share per release; use aggregation = \"central\"")
+
+
+# ----- the grid ------------------------------------------------------------------------------
+def granularity(sensitivity: float, dim: int) -> float:
+    """The power-of-two grid of a part whose sum has L2 ``sensitivity``: the rounding slack
+    ``g sqrt(dim)`` is at most ``sensitivity / SLACK_FACTOR``."""
+    return power_of_two_at_most(sensitivity / (SLACK_FACTOR * math.sqrt(dim)))
+
+
+@dataclass(frozen=True)
+class CentralGrid:
+    """A publishable part: grid ``granularity``, discrete Gaussian ``sigma`` (grid units) and
+    the rounded sum's L2 sensitivity (``sensitivity + granularity sqrt(d)``)."""
+
+    granularity: float
+    sigma: int
+    sensitivity: float
+
+
+def central_grid(multiplier: float, sensitivity: float, dim: int) -> CentralGrid:
+    """The grid and the integer sigma of one publishable part (``sigma <= MAX_SIGMA``: the
+    grid is made coarser until it fits)."""
+    g = granularity(sensitivity, dim)
+    while True:
+        rounded = sensitivity + g * math.sqrt(dim)
+        sigma = math.ceil(multiplier * rounded / g)
+        if sigma <= MAX_SIGMA:
+            return CentralGrid(g, max(sigma, 1), rounded)
+        g *= 2.0
+
+
+# ----- distributed parameters ----------------------------------------------------------------
+@dataclass(frozen=True)
+class SharePlan:
+    """One part of a distributed step: grid, padded dimension, sensitivities in grid units,
+    the planned total Skellam variance, each node's share and the modulus bits."""
+
+    granularity: float
+    dim: int
+    l2: float
+    l1: float
+    variance: float
+    node_variance: float
+    bits: int
+
+    def rho(self, honest: int) -> float:
+        """The zCDP rho of this part when ``honest`` nodes' shares are in the sum."""
+        return skellam_rho(self.l2, self.l1, self.node_variance * max(honest, 1))
+
+
+def honest_minimum(config: RunConfig, nodes: int) -> int:
+    """Nodes whose shares are always in the sum: all but ``floor(threshold * nodes)``."""
+    return nodes - math.floor(config.collusion_threshold * nodes)
+
+
+def honest_count(config: RunConfig, nodes: int, answered: int) -> int:
+    """The honest nodes in a round's sum: those that answered, less the colluders the declared
+    threshold still allows (``floor(threshold K)`` minus the nodes that dropped out)."""
+    allowance = max(0, math.floor(config.collusion_threshold * nodes) - (nodes - answered))
+    return answered - allowance
+
+
+def share_plan(config: RunConfig, part: Part, multiplier: float, population: int,
+               nodes: int) -> SharePlan:
+    """The distributed parameters of ``part`` released with noise multiplier ``multiplier``
+    (the part's own: ``z / sqrt(share)``): Skellam variance with ``skellam_rho <= 1/(2 z^2)``,
+    split over the guaranteed honest nodes; the modulus from the wrap-around bound (or the
+    configured ``modulus-bits``, refused if smaller than needed)."""
+    factor = 1.0 if config.neighbouring_relation == "add-remove" else 2.0
+    sensitivity = factor * part.clip_norm
+    dim = padded_dim(int(np.prod(part.shape)))
+    g = granularity(sensitivity, dim)
+    l2 = sensitivity / g * (1.0 + FLOAT_SLACK) + math.sqrt(dim)
+    l1 = math.sqrt(dim) * sensitivity / g * (1.0 + FLOAT_SLACK) + dim
+    target = 1.0 / (2.0 * multiplier ** 2)
+    variance = (multiplier * l2) ** 2
+    for _ in range(100):
+        rho = skellam_rho(l2, l1, variance)
+        if rho <= target:
+            break
+        variance *= rho / target * (1.0 + 1e-12)
+    else:  # pragma: no cover - the ratio converges in two or three steps
+        raise RuntimeError("could not size the Skellam noise")
+    node_variance = variance / honest_minimum(config, nodes)
+    needed = modulus_bits_needed(population * part.clip_norm / g, node_variance * nodes, dim,
+                                 rounding_slack=nodes, target=WRAP_TARGET)
+    bits = config.modulus_bits or needed
+    if bits < needed:
+        raise ConfigError(f"modulus-bits: {bits} bits cannot hold the quantized sum of part "
+                          f"{part.name!r} ({needed} needed for a wrap-around probability "
+                          f"<= {WRAP_TARGET:g}); use modulus-bits = 0 (automatic) or >= {needed}")
+    return SharePlan(g, dim, l2, l1, variance, node_variance, bits)
+
+
+def payload(plans: Sequence[SharePlan]) -> np.ndarray:
+    """The parameters each node needs, one row per part: granularity, node variance, bits."""
+    return np.array([[p.granularity, p.node_variance, p.bits] for p in plans], dtype=np.float64)
+
+
+def ring_layout(step: Step, plans: Sequence[SharePlan]) -> dict[str, tuple[int, int]]:
+    """{part: (padded dimension, bits)}: what a node's reply must hold in a distributed step."""
+    return {part.name: (p.dim, p.bits) for part, p in zip(step.parts, plans, strict=True)}
+
+
+def ledger_parts(step: Step, plans: Sequence[SharePlan], honest: int,
+                 population: int) -> list[dict[str, Any]]:
+    """Each part's ledger entry of a distributed release (mean scale for std and
+    sensitivity)."""
+    out = []
+    for part, p in zip(step.parts, plans, strict=True):
+        out.append({"name": part.name, "granularity": p.granularity, "padded_dim": p.dim,
+                    "l2_sensitivity_grid": p.l2, "l1_sensitivity_grid": p.l1,
+                    "skellam_variance": p.node_variance * honest,
+                    "noise_std": math.sqrt(p.node_variance * honest) * p.granularity
+                    / population,
+                    "modulus_bits": p.bits, "rho": p.rho(honest)})
+    return out
+
+
+def delta_slack(config: RunConfig, plan: Sequence[PlannedRelease], nodes: int) -> float:
+    """What conditional rounding adds to delta over the run: ``(1 + e^eps) R K BETA`` (R
+    part releases, K nodes)."""
+    if config.aggregation != "distributed":
+        return 0.0
+    releases = sum(r.count for r in plan) * 4  # parts per release: at most 4 (generous)
+    return (1.0 + math.exp(min(config.ceiling, 700.0))) * releases * nodes * BETA
+
+
+def accounting_delta(config: RunConfig) -> float:
+    """The delta the accountant works at: distributed runs keep ``DELTA_RESERVE`` of the target
+    for the conditional-rounding slack (``check_delta_slack``)."""
+    return config.delta * (1.0 - DELTA_RESERVE) if config.aggregation == "distributed" else (
+        config.delta)
+
+
+def check_delta_slack(config: RunConfig, plan: Sequence[PlannedRelease], nodes: int) -> None:
+    """Refuse a distributed run whose conditional-rounding slack exceeds the reserve."""
+    slack = delta_slack(config, plan, nodes)
+    if slack > DELTA_RESERVE * config.delta:
+        raise ConfigError(f"delta: {config.delta:g} is too small for conditional rounding over "
+                          f"{nodes} nodes (its slack {slack:.3g} exceeds {DELTA_RESERVE:g} of "
+                          "delta); raise delta")
+
+
+def trust(config: RunConfig, nodes: int) -> dict[str, Any]:
+    """Who the release's guarantee trusts, and the noise it was drawn with."""
+    if config.aggregation == "distributed":
+        return {"aggregation": "distributed", "trusted": (
+            "no server beyond the declared threshold once secure aggregation hides the node "
+            "vectors; until then (a simulated modular sum) the server sees each node's noisy "
+            "share"),
+            "collusion_threshold": config.collusion_threshold,
+            "honest_nodes_guaranteed": honest_minimum(config, nodes),
+            "noise": "skellam shares from each node's CSPRNG (ChaCha20, OS-seeded)"}
+    return {"aggregation": "central", "trusted": "the server (it adds the noise)",
+            "noise": ("discrete gaussian on a power-of-two grid, exact sampler, ChaCha20 seeded "
+                      "by the OS" if config.secure_noise else
+                      "floating-point gaussian from numpy's seeded PCG64 (research runs)")}
+
+
+def check_ring_totals(totals: Mapping[str, Any], layout: Mapping[str, tuple[int, int]]
+                      ) -> tuple[str, str] | None:
+    """(kind, detail) of the first problem with a distributed reply's vectors, or None."""
+    extra = sorted(str(k) for k in totals if k not in layout)
+    if extra:
+        return "unexpected-part", f"arrays {extra} are not released"
+    for name, (dim, bits) in layout.items():
+        if name not in totals:
+            return "missing-part", f"no array {name!r}"
+        value = np.asarray(totals[name])
+        if value.dtype != np.int64:
+            return "dtype", f"{name!r} has dtype {value.dtype}, expected int64 (mod 2^{bits})"
+        if value.shape != (dim,):
+            return "shape", f"{name!r} has shape {value.shape}, expected ({dim},)"
+        if value.size and (value.min() < 0 or value.max() >= 2 ** bits):
+            return "range", f"{name!r} has values outside [0, 2^{bits})"
+    return None
+
+
+def decode_sum(vectors: Sequence[np.ndarray], plan: SharePlan, seed: int, label: str,
+               part: str, size: int) -> np.ndarray:
+    """A part's sum plus the honest shares' noise, from the accepted nodes' vectors."""
+    return decode_flat(vectors, plan.granularity, plan.bits, seed, label, part, size)
