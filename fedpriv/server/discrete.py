@@ -213,7 +213,8 @@ def ledger_parts(step: Step, plans: Sequence[SharePlan], honest: int,
     sensitivity)."""
     out = []
     for part, p in zip(step.parts, plans, strict=True):
-        out.append({"name": part.name, "granularity": p.granularity, "padded_dim": p.dim,
+        out.append({"name": part.name, "l2_sensitivity": p.l2 * p.granularity / population,
+                    "granularity": p.granularity, "padded_dim": p.dim,
                     "l2_sensitivity_grid": p.l2, "l1_sensitivity_grid": p.l1,
                     "skellam_variance": p.node_variance * honest,
                     "noise_std": math.sqrt(p.node_variance * honest) * p.granularity

@@ -218,6 +218,11 @@ class Releaser:
                 report["epsilon_spent"] = spent
         return report
 
+    def crypto_stream(self, step: Step, part: Part) -> CryptoRandom:
+        """The cryptographic stream of one publishable part's noise: a fresh ChaCha20 key from
+        the OS every time (the neighbouring-dataset tests replace it by a seeded one)."""
+        return CryptoRandom()
+
     def _on_grid(self, step: Step, part: Part, mean: np.ndarray, z_part: float,
                  sensitivity: float, population: int) -> tuple[np.ndarray, dict[str, Any]]:
         """A publishable part (``fedpriv.server.discrete``): the exact sum rounded to the grid
@@ -227,7 +232,7 @@ class Releaser:
         discrete Gaussians over sigma; its integers are recovered exactly."""
         grid = central_grid(z_part, sensitivity * population, int(np.prod(part.shape)))
         g = grid.granularity
-        source = DiscreteGaussianSource(grid.sigma, CryptoRandom())
+        source = DiscreteGaussianSource(grid.sigma, self.crypto_stream(step, part))
         noise = self.algorithm.noise(step, part, grid.sigma * g, source)  # type: ignore[arg-type]
         units = np.rint(np.asarray(mean, dtype=np.float64) * population / g).astype(np.int64)
         noisy_sum = (units + grid_integers(noise, g)).astype(np.float64) * g  # on the grid
