@@ -258,7 +258,11 @@ class PrivateServer:
                 self.log(f"  {step.label}: only {honest} honest nodes' noise shares (more nodes "
                          "dropped out than collusion-threshold allows): the ledger records the "
                          "noise that was present")
-            return self.release.distributed(step, sums, plans, population, honest, scale)
+            report = self.release.distributed(step, sums, plans, population, honest, scale)
+            if step.kind == EVALUATE:  # the server never sees the exact mean here
+                report.update({f"exact_private_{p.name}": None for p in step.parts})
+                report["evaluation_scale"] = scale
+            return report
         means = {part.name: self.replies.bounded_sum(part, accepted) / population
                  for part in step.parts}
         exact: dict[str, Any] = {}
@@ -322,7 +326,7 @@ class PrivateServer:
         # evaluation_bounds (the type checker cannot follow the class made at run time)
         bounds = cast(EvaluatedAlgorithm, self.algorithm).evaluation_bounds(self.config)
         scale = report["evaluation_scale"]  # public: users hosted / users that answered
-        return {name: {"value": value, "exact_clipped": report[f"exact_private_{name}"],
+        return {name: {"value": value, "exact_clipped": report.get(f"exact_private_{name}"),
                        "clip": bounds[name], "noise_std": stds[name] * scale,
                        "users": self.config.num_users} for name, value in noisy.items()}
 
