@@ -173,6 +173,9 @@ class RunConfig:
                               "is a zCDP bound accounted with RDP (dp-accounting's PLD of a "
                               "continuous Gaussian does not cover it); set accountant = "
                               '"rdp"')
+        if self.modulus_bits and self.aggregation != "distributed":
+            raise ConfigError(f"modulus-bits: {self.modulus_bits} is only used with aggregation "
+                              '= "distributed"; remove it')
         if self.max_epsilon and self.epsilon > self.max_epsilon:
             raise ConfigError(f"epsilon: the target {self.epsilon} exceeds max-epsilon "
                               f"({self.max_epsilon}); the run would spend more than allowed")

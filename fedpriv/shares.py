@@ -14,6 +14,7 @@ the share's variance, ``b``) arrive with the step's broadcast under ``DISTRIBUTE
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -35,7 +36,7 @@ from fedpriv.privacy.quantize import (
 # the broadcast entry that carries a distributed step's parameters to the nodes
 DISTRIBUTED_KEY = "__fedpriv_distributed__"
 # conditional rounding: the chance that a node must re-draw its rounding, per part and release
-BETA = 2.0 ** -80
+BETA = 2.0 ** -128
 
 
 def within_bound(total: np.ndarray, bound: float) -> np.ndarray:
@@ -75,7 +76,14 @@ def encode_shares(seed: int, step: Step, contrib: UserContribution, params: np.n
     counts travel as before. ``params``: one row per part (granularity, share variance,
     bits). ``rng``: the node's CSPRNG (a fresh OS-seeded one by default)."""
     rng = rng if rng is not None else CryptoRandom()
-    rows = np.asarray(params, dtype=np.float64).reshape(len(step.parts), 3)
+    rows = np.asarray(params, dtype=np.float64)
+    if rows.shape != (len(step.parts), 3) or not np.all(np.isfinite(rows)):
+        raise ValueError(f"{step.label}: malformed noise-share parameters {rows.shape}")
+    for g, variance, bits in rows:  # the node's own sanity checks (the plan: issue 37)
+        if not (g > 0 and math.frexp(g)[0] == 0.5 and variance > 0 and bits == int(bits)
+                and 2 <= bits <= 62):
+            raise ValueError(f"{step.label}: refusing noise-share parameters granularity={g}, "
+                             f"variance={variance}, bits={bits}")
     totals: dict[str, np.ndarray] = {}
     for part, (g, variance, bits) in zip(step.parts, rows, strict=True):
         size = int(np.prod(part.shape))

@@ -17,7 +17,7 @@ from fedpriv.outputs import publishable, release_document
 from fedpriv.privacy.discrete import CryptoRandom
 from fedpriv.privacy.quantize import conditional_bound, from_ring, padded_dim, rotation_signs
 from fedpriv.server import PrivateServer
-from fedpriv.server.discrete import DELTA_RESERVE, share_plan
+from fedpriv.server.discrete import DELTA_RESERVE, FLOAT_SLACK, share_plan
 from fedpriv.shares import BETA, decode_sum, encode_part, quantize_part
 
 FEDREP = {"algorithm": "private-fedrep", "num-users": 600, "dim": 10, "rounds": 3,
@@ -85,9 +85,11 @@ def test_secure_noise_sums_lie_on_the_power_of_two_grid_with_the_slack_in_the_no
             part = next(q for q in step.parts if q.name == p.get("name", q.name))
             population = step.population or cfg.num_users
             slack = g * math.sqrt(int(np.prod(part.shape)))
-            assert p["l2_sensitivity"] * population == pytest.approx(part.clip_norm + slack)
+            assert p["l2_sensitivity"] * population == pytest.approx(
+                part.clip_norm * (1 + FLOAT_SLACK) + slack, rel=1e-12)
             assert slack <= part.clip_norm / 1024
             assert p["sigma_grid"] >= p["noise_multiplier"] * (part.clip_norm + slack) / g
+            assert p["sigma_grid"] >= p["noise_multiplier"] * p["l2_sensitivity"] * population / g
     finally:
         server.close()
 
@@ -271,6 +273,11 @@ def test_a_node_encodes_its_share_in_a_real_step():
       "num-users": 60, "hidden-sizes": "16", "users-per-round": 20}, "users-per-round"),
     ({"secure-noise": True, "algorithm": "deep-dp-fedavg", "dataset": "digits",
       "num-users": 60, "hidden-sizes": "16", "users-per-round": 20}, "users-per-round"),
+    ({"aggregation": "distributed", "algorithm": "fedrep"}, "aggregation"),  # no noise at all
+    ({"modulus-bits": 30}, "modulus-bits"),  # central: unused
+    # every step is sized before round 1 (priv-altmin's later steps release other parts)
+    ({"aggregation": "distributed", "algorithm": "priv-altmin", "user-groups": 2, "rounds": 2,
+      "modulus-bits": 24}, "modulus-bits"),
 ])
 def test_bad_discrete_settings_fail_before_round_1_naming_the_key(values, key):
     merged = {**FEDREP, **values}
@@ -318,3 +325,33 @@ def test_a_resumed_discrete_run_keeps_its_ledger(tmp_path, mode):
         e["release"] for e in whole["privacy"]["ledger"]]
     assert resumed["privacy"]["epsilon"] == pytest.approx(whole["privacy"]["epsilon"],
                                                           rel=1e-9)
+
+
+def test_the_meta_sampling_refusal_says_how_to_run_every_task():
+    values = {"algorithm": "meta-nsgd", "feature-dist": "unit-ball", "num-users": 300,
+              "epsilon": 2.0, "accountant": "rdp", "aggregation": "distributed"}
+    with pytest.raises(ConfigError, match="set tasks-per-round = 300"):
+        PrivateServer(parse_config(values), 2, log=lambda _: None)
+    values["tasks-per-round"] = 300  # every task every round: accepted
+    PrivateServer(parse_config(values), 2, log=lambda _: None).close()
+
+
+def test_a_node_sends_no_exact_sums_in_a_distributed_step_without_share_parameters():
+    from fedpriv.nodes import node_step
+    cfg = config(aggregation="distributed")
+    server = PrivateServer(cfg, 2, log=lambda _: None)
+    try:
+        step = next(s for s in server.steps() if s.release is not None)
+        cls = type(server.algorithm)
+        arrays = server.payload(step)
+        stripped = {k: v for k, v in arrays.items() if not k.startswith("__fedpriv")}
+        with pytest.raises(ValueError, match="no noise-share parameters"):
+            node_step(cls, cfg, step, stripped, cls.hosted_users(cfg, 0, 2))
+        bad = {**arrays, **{k: v * np.array([1.0, 0.0, 1.0]) for k, v in arrays.items()
+                            if k.startswith("__fedpriv")}}  # a zero share
+        with pytest.raises(ValueError, match="refusing noise-share parameters"):
+            node_step(cls, cfg, step, bad, cls.hosted_users(cfg, 0, 2))
+        plans = server.share_plans(step)
+        assert all(0 <= p.wrap_probability <= 1e-9 for p in plans)
+    finally:
+        server.close()

@@ -75,10 +75,14 @@ class PrivateServer:
         self._share_cache: tuple[str, list[SharePlan]] | None = None
         self.resumed_from: int | None = None
         self.distributed = config.aggregation == "distributed" and bool(self.plan)
-        for step in self.steps():  # a modulus too small fails now (share_plans raises)
-            if self.distributed and step.release is not None:
-                self.share_plans(step)
-                break
+        if self.distributed:  # a modulus too small fails now, before round 1
+            seen = set()
+            for step in self.steps():
+                key = (step.release, step.population, tuple((p.name, p.shape, p.share)
+                                                             for p in step.parts))
+                if step.release is not None and key not in seen:
+                    seen.add(key)
+                    self.share_plans(step)
         self.store = CheckpointStore(checkpoint_path)  # locked: one server per checkpoint
         try:
             self._start()
@@ -331,10 +335,17 @@ class PrivateServer:
                        "users": self.config.num_users} for name, value in noisy.items()}
 
 
-def check_run(config: RunConfig, checkpoint_path: Path | None = None) -> PrivateServer:
+def check_run(config: RunConfig, checkpoint_path: Path | None = None,
+              num_partitions: int | None = None) -> PrivateServer:
     """Everything the server checks before its first step, without running: the privacy plan,
-    the budget ceiling and, when resuming, the checkpoint. Raises if the run cannot start."""
-    server = PrivateServer(config, 1, log=lambda _: None, checkpoint_path=checkpoint_path)
+    the budget ceiling and, when resuming, the checkpoint (with ``num_partitions`` nodes;
+    default: the run's own layout, which a distributed run's modulus depends on). Raises if
+    the run cannot start."""
+    from fedpriv.nodes import auto_num_nodes  # the node layout (nodes import no server)
+
+    nodes = num_partitions or (auto_num_nodes(config.num_users, config.users_per_node)
+                               if config.aggregation == "distributed" else 1)
+    server = PrivateServer(config, nodes, log=lambda _: None, checkpoint_path=checkpoint_path)
     server.close()
     return server
 

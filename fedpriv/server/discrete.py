@@ -7,7 +7,8 @@ Two modes draw integer noise on a power-of-two grid instead of floating-point Ga
   ``N_Z(0, s^2)`` (Canonne, Kamath & Steinke 2020, sampled exactly from a ChaCha20 stream
   seeded by the OS) and only then divides by the population (post-processing). Rounding moves
   one user's effect by less than ``g`` per coordinate, so the rounded sum's L2 sensitivity is at
-  most ``Delta + g sqrt(d)`` (the grid's slack). ``s = ceil(z (Delta / g + sqrt(d)))``: the
+  most ``Delta + g sqrt(d)`` (the grid's slack; ``Delta`` with a ``2^-20`` allowance for the
+  float sum). ``s = ceil(z (Delta / g + sqrt(d)))``: the
   multivariate discrete Gaussian is ``Delta_g^2 / (2 s^2)``-zCDP for integer shifts of L2 norm
   ``Delta_g`` (CKS, Theorem 14), at most ``1 / (2 z^2)``: the RDP curve of the Gaussian with the
   planned multiplier ``z``, which is what the accountant records.
@@ -24,7 +25,7 @@ Two modes draw integer noise on a power-of-two grid instead of floating-point Ga
   uniforms. The honest nodes' Skellam shares sum to one Skellam of variance
   ``mu = h * mu_node``, accounted by ``skellam_rho``. The conditional re-draw happens with
   probability at most ``BETA`` per node and release; the transcript is then within total
-  variation ``R K BETA`` of the unconditioned one (R releases, K nodes), which adds
+  variation ``R K BETA`` of the unconditioned one (R part releases, K nodes), which adds
   ``(1 + e^eps) R K BETA`` to delta: the accountant works at ``delta`` minus that.
 """
 
@@ -42,7 +43,7 @@ from fedpriv.config import ConfigError, RunConfig
 from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, PlannedRelease
 from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.discrete import power_of_two_at_most
-from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim
+from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim, wrap_probability
 from fedpriv.shares import BETA
 from fedpriv.shares import decode_sum as decode_flat
 
@@ -66,31 +67,37 @@ def accountant_kind(config: RunConfig) -> str:
     return DISCRETE_ACCOUNTANT if discrete(config) else config.accountant
 
 
-def sampling_key(config: RunConfig) -> str:
-    """The key that turns on the server's Poisson sampling, for error messages."""
-    for attr, name in (("users_per_round", "users-per-round"),
-                       ("tasks_per_round", "tasks-per-round")):
-        if hasattr(config, attr):
-            return name
-    return "the algorithm's sampling"
+def sampling_key(config: RunConfig) -> tuple[str, str]:
+    """The key that turns on the server's Poisson sampling, and how to turn it off."""
+    if hasattr(config, "users_per_round"):
+        return "users-per-round", "set users-per-round = 0"
+    if hasattr(config, "tasks_per_round"):
+        return "tasks-per-round", (f"set tasks-per-round = {config.num_users} (num-users: "
+                                   "every task every round; 0 is the paper's sampled default)")
+    return "the algorithm's sampling", "run every user every round"
 
 
 def check_discrete(config: RunConfig, algorithm: Algorithm[Any],
                    plan: Sequence[PlannedRelease]) -> None:
     """Refuse, before round 1, what discrete noise cannot do, naming the key."""
+    if config.aggregation == "distributed" and not plan:
+        raise ConfigError(f"aggregation: {config.algorithm} releases nothing with noise, so "
+                          "distributed noise has nothing to protect; use aggregation = "
+                          '"central"')
     if not discrete(config) or not plan:
         return
     mode = ('aggregation = "distributed"' if config.aggregation == "distributed"
             else "secure-noise = true")
     sampled = [r for r in plan if r.sampling_rate < 1.0]
     if sampled:
+        key, fix = sampling_key(config)
         raise ConfigError(
-            f"{sampling_key(config)}: {mode} cannot use Poisson sampling by the server (release "
+            f"{key}: {mode} cannot use Poisson sampling by the server (release "
             f"{sampled[0].name!r} samples users at rate {sampled[0].sampling_rate:.4g}): "
             + ("a server that knows who was sampled gets no amplification; "
                if config.aggregation == "distributed" else
                "the discrete Gaussian's zCDP bound is accounted without amplification; ")
-            + "run every user every round")
+            + fix)
     if config.aggregation != "distributed":
         return
     if any(r.mechanism == "exponential" for r in plan):
@@ -126,8 +133,8 @@ def central_grid(multiplier: float, sensitivity: float, dim: int) -> CentralGrid
     """The grid and the integer sigma of one publishable part (``sigma <= MAX_SIGMA``: the
     grid is made coarser until it fits)."""
     g = granularity(sensitivity, dim)
-    while True:
-        rounded = sensitivity + g * math.sqrt(dim)
+    while True:  # FLOAT_SLACK: the float error of the sum (n C 2^-52 <= C 2^-20, n <= 2^32)
+        rounded = sensitivity * (1.0 + FLOAT_SLACK) + g * math.sqrt(dim)
         sigma = math.ceil(multiplier * rounded / g)
         if sigma <= MAX_SIGMA:
             return CentralGrid(g, max(sigma, 1), rounded)
@@ -147,6 +154,7 @@ class SharePlan:
     variance: float
     node_variance: float
     bits: int
+    wrap_probability: float = 0.0  # bound on any coordinate wrapping around, all nodes in
 
     def rho(self, honest: int) -> float:
         """The zCDP rho of this part when ``honest`` nodes' shares are in the sum."""
@@ -187,14 +195,19 @@ def share_plan(config: RunConfig, part: Part, multiplier: float, population: int
     else:  # pragma: no cover - the ratio converges in two or three steps
         raise RuntimeError("could not size the Skellam noise")
     node_variance = variance / honest_minimum(config, nodes)
-    needed = modulus_bits_needed(population * part.clip_norm / g, node_variance * nodes, dim,
+    # sized for the worst grid: Delta / g lies in [F sqrt(d), 2 F sqrt(d)) whatever the clip,
+    # so a clip that moves (adaptive clipping) never needs more bits than checked at start
+    worst = 2.0 * SLACK_FACTOR * math.sqrt(dim) * g / sensitivity
+    signal = population * part.clip_norm / g
+    needed = modulus_bits_needed(signal * worst, node_variance * nodes * worst ** 2, dim,
                                  rounding_slack=nodes, target=WRAP_TARGET)
     bits = config.modulus_bits or needed
     if bits < needed:
         raise ConfigError(f"modulus-bits: {bits} bits cannot hold the quantized sum of part "
                           f"{part.name!r} ({needed} needed for a wrap-around probability "
                           f"<= {WRAP_TARGET:g}); use modulus-bits = 0 (automatic) or >= {needed}")
-    return SharePlan(g, dim, l2, l1, variance, node_variance, bits)
+    wrap = wrap_probability(signal, node_variance * nodes, dim, bits, rounding_slack=nodes)
+    return SharePlan(g, dim, l2, l1, variance, node_variance, bits, wrap)
 
 
 def payload(plans: Sequence[SharePlan]) -> np.ndarray:
@@ -219,7 +232,8 @@ def ledger_parts(step: Step, plans: Sequence[SharePlan], honest: int,
                     "skellam_variance": p.node_variance * honest,
                     "noise_std": math.sqrt(p.node_variance * honest) * p.granularity
                     / population,
-                    "modulus_bits": p.bits, "rho": p.rho(honest)})
+                    "modulus_bits": p.bits, "wrap_probability_bound": p.wrap_probability,
+                    "rho": p.rho(honest)})
     return out
 
 
@@ -252,12 +266,15 @@ def trust(config: RunConfig, nodes: int) -> dict[str, Any]:
     """Who the release's guarantee trusts, and the noise it was drawn with."""
     if config.aggregation == "distributed":
         return {"aggregation": "distributed", "trusted": (
-            "no server beyond the declared threshold once secure aggregation hides the node "
-            "vectors; until then (a simulated modular sum) the server sees each node's noisy "
-            "share"),
+            "each node with its own users (a node that colludes with the server exposes them); "
+            "the server is not trusted with the noise of the honest nodes' users, up to the "
+            "declared collusion threshold, once secure aggregation hides the node vectors; "
+            "until then (a simulated modular sum) the server sees each node's noisy share"),
             "collusion_threshold": config.collusion_threshold,
             "honest_nodes_guaranteed": honest_minimum(config, nodes),
-            "noise": "skellam shares from each node's CSPRNG (ChaCha20, OS-seeded)"}
+            "noise": ("skellam shares from each node's ChaCha20 stream keyed by the OS (numpy's "
+                      "floating-point Poisson sampler on it: integer-valued, its approximation "
+                      "is not in the accounting)")}
     return {"aggregation": "central", "trusted": "the server (it adds the noise)",
             "noise": ("discrete gaussian on a power-of-two grid, exact sampler, ChaCha20 seeded "
                       "by the OS" if config.secure_noise else
