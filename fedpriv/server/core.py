@@ -316,9 +316,10 @@ class PrivateServer:
             resumed_from=self.resumed_from, server_state=self.algorithm.state(),
             private_metrics=self._private_metrics(), wall_time_s=wall_time_s)
 
-    def _private_metrics(self) -> dict[str, dict[str, float]]:
+    def _private_metrics(self) -> dict[str, dict[str, float | None]]:
         """The evaluation release (``private-metrics``): each metric's noisy mean (released),
-        its exact clipped mean (operator only), clip and noise std."""
+        its exact clipped mean (operator only; None in a distributed run, whose server never
+        sees it), clip and noise std."""
         noisy = getattr(self.algorithm, "private_metrics", None)
         report = next((r for r in self.rounds if r["step"] == EVALUATE), None)
         if not noisy or report is None or "error" in report:
