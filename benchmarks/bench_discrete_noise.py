@@ -11,8 +11,8 @@ exact exponential mechanism against the Gumbel-max one. Writes nothing.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -24,15 +24,8 @@ from fedpriv.privacy.discrete import (
 )
 from fedpriv.privacy.mechanisms import exponential_mechanism
 
-
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_user_math import best_of  # noqa: E402 - the same best-of-n timer
 
 
 def main() -> None:

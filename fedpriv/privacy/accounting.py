@@ -441,11 +441,16 @@ class Accountant:
                              f"not {self.kind}")
         if not rho > 0:
             raise ValueError(f"rho must be > 0, got {rho}")
-        self._common[(float(rho), ZCDP)] += 1
+        return self._record_common(name, (float(rho), ZCDP), {"mechanism": "zcdp",
+                                                              "rho": float(rho), **details})
+
+    def _record_common(self, name: str, key: EventKey, entry: Mapping[str, Any]) -> float:
+        """Compose one release every user takes part in; ledger it; the epsilon spent."""
+        self._common[key] += 1
         self._stale.update(self._spent)
         spent = self.epsilon()
-        self.ledger.append({"release": name, "mechanism": "zcdp", "rho": rho,
-                            "user_group": None, "epsilon_spent": spent, **details})
+        self.ledger.append({"release": name, **entry, "user_group": None,
+                            "epsilon_spent": spent})
         return spent
 
     def record_pure(self, name: str, epsilon: float,
@@ -454,13 +459,8 @@ class Accountant:
         mechanism); returns the epsilon spent so far (at delta = 0)."""
         if not epsilon > 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
-        self._common[(float(epsilon), PURE)] += 1
-        self._stale.update(self._spent)
-        spent = self.epsilon()
-        self.ledger.append({"release": name, "mechanism": "exponential", "epsilon": epsilon,
-                            "delta": 0.0, "user_group": None, "epsilon_spent": spent,
-                            **(details or {})})
-        return spent
+        return self._record_common(name, (float(epsilon), PURE), {
+            "mechanism": "exponential", "epsilon": epsilon, "delta": 0.0, **(details or {})})
 
     @property
     def pure(self) -> bool:
