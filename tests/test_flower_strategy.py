@@ -359,32 +359,43 @@ def test_budget_guard_stops_a_release_beyond_the_plan(tmp_path):
         s.configure_train(2, _init(), __import__("flwr").app.ConfigRecord(), grid)
 
 
-def test_multi_user_nodes_send_clipped_sums_and_an_oversized_sum_is_rejected(tmp_path):
+def _user_sum_grid(nodes, models_for, edit=lambda node, content: None):
+    """A FakeGrid whose nodes answer each train message with ``user_sum_reply`` of the user
+    models ``models_for(node, broadcast)`` gives (``edit`` may change the reply's content)."""
     from flwr.app import Message
 
     from fedpriv_flwr.users import user_sum_reply
 
-    def reply(node, arrays):  # each node hosts 3 users; node 1 lies about its count
-        return {k: v for k, v in arrays.items()}
-
-    grid = FakeGrid(4, reply)
+    grid = FakeGrid(nodes, lambda node, arrays: arrays)
 
     def send(messages, timeout=None):
         out = []
         for m in messages:
             if m.metadata.message_type != "train":
                 continue
-            models = [{k: v.numpy() + 10.0 * (u + 1) for k, v in m.content["arrays"].items()}
-                      for u in range(3)]
-            if m.metadata.dst_node_id == 2:  # one user's NaN costs only that user
-                models[0] = {k: np.full_like(v, np.nan) for k, v in models[0].items()}
-            content = user_sum_reply(m, models)
-            if m.metadata.dst_node_id == 1:
-                content["metrics"][USERS_KEY] = 1  # claims 1 user for a sum of 3 clipped ones
+            node = m.metadata.dst_node_id
+            base = {k: v.numpy() for k, v in m.content["arrays"].items()}
+            content = user_sum_reply(m, models_for(node, base))
+            edit(node, content)
             out.append(Message(content, reply_to=m))
         return out
 
     grid.send_and_receive = send  # type: ignore[method-assign]  # nodes answer with sums
+    return grid
+
+
+def test_multi_user_nodes_send_clipped_sums_and_an_oversized_sum_is_rejected(tmp_path):
+    def models(node, base):  # each node hosts 3 users
+        users = [{k: v + 10.0 * (u + 1) for k, v in base.items()} for u in range(3)]
+        if node == 2:  # one user's NaN costs only that user
+            users[0] = {k: np.full_like(v, np.nan) for k, v in users[0].items()}
+        return users
+
+    def lie(node, content):
+        if node == 1:
+            content["metrics"][USERS_KEY] = 1  # claims 1 user for a sum of 3 clipped ones
+
+    grid = _user_sum_grid(4, models, lie)
     s, _ = _run(tmp_path, grid, rounds=1, num_users=12, delta=1e-3, multi_user_nodes=True)
     row = s.rows[0]
     assert row["users"] == 9 and row["unclipped_users"] == 0  # node 1 (3 users) rejected
@@ -513,28 +524,17 @@ def test_multi_user_replies_with_bad_users_or_counts(tmp_path, factor, bad_count
     """A user with a missing key or wrong shape adds nothing to its node's sum (the node's other
     users still count); a non-finite user count is rejected; with factor 2 a node's sum is
     checked against C (it must clip its sum)."""
-    from flwr.app import Message
+    def models(node, base):
+        users = [{k: v + 1.0 for k, v in base.items()} for _ in range(3)]
+        users[0].pop("b")  # missing key
+        users[1]["w"] = np.zeros((2, 2))  # wrong shape
+        return users
 
-    from fedpriv_flwr.users import user_sum_reply
+    def bad_count(node, content):
+        if node == 3 and bad_counts:
+            content["metrics"][USERS_KEY] = float("nan")
 
-    grid = FakeGrid(3, lambda node, arrays: arrays)
-
-    def send(messages, timeout=None):
-        out = []
-        for m in messages:
-            if m.metadata.message_type != "train":
-                continue
-            base = {k: v.numpy() for k, v in m.content["arrays"].items()}
-            models = [{k: v + 1.0 for k, v in base.items()} for _ in range(3)]
-            models[0].pop("b")  # missing key
-            models[1]["w"] = np.zeros((2, 2))  # wrong shape
-            content = user_sum_reply(m, models)
-            if m.metadata.dst_node_id == 3 and bad_counts:
-                content["metrics"][USERS_KEY] = float("nan")
-            out.append(Message(content, reply_to=m))
-        return out
-
-    grid.send_and_receive = send  # type: ignore[method-assign]
+    grid = _user_sum_grid(3, models, bad_count)
     s, _ = _run(tmp_path, grid, rounds=1, num_users=9, delta=1e-2, clip_norm=1.0,
                 multi_user_nodes=True, user_sensitivity_factor=factor)
     row = s.rows[0]
@@ -547,24 +547,10 @@ def test_multi_user_replies_with_bad_users_or_counts(tmp_path, factor, bad_count
 def test_a_node_clipping_its_sum_is_checked_against_c_with_factor_2(tmp_path):
     """user_sensitivity_factor = 2 states that a node clips the sum of its users to C: a sum
     above C (what k users clipped one by one can make) is rejected, one within C accepted."""
-    from flwr.app import Message
+    def models(node, base):  # node 1's sum of 3 users has norm 3 > C
+        return [{k: v + 1.0 for k, v in base.items()} for _ in range(3 if node == 1 else 1)]
 
-    from fedpriv_flwr.users import user_sum_reply
-
-    grid = FakeGrid(2, lambda node, arrays: arrays)
-
-    def send(messages, timeout=None):
-        out = []
-        for m in messages:
-            if m.metadata.message_type != "train":
-                continue
-            base = {k: v.numpy() for k, v in m.content["arrays"].items()}
-            users = 3 if m.metadata.dst_node_id == 1 else 1  # node 1's sum has norm 3 > C
-            models = [{k: v + 1.0 for k, v in base.items()} for _ in range(users)]
-            out.append(Message(user_sum_reply(m, models), reply_to=m))
-        return out
-
-    grid.send_and_receive = send  # type: ignore[method-assign]
+    grid = _user_sum_grid(2, models)
     s, _ = _run(tmp_path, grid, rounds=1, num_users=4, delta=1e-2, clip_norm=1.0,
                 multi_user_nodes=True, user_sensitivity_factor=2.0)
     row = s.rows[0]
