@@ -21,6 +21,7 @@ import numpy as np
 
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.privacy.discrete import CryptoRandom, skellam
+from fedpriv.privacy.mechanisms import clip_by_norm
 from fedpriv.privacy.quantize import (
     conditional_bound,
     conditional_round,
@@ -40,13 +41,10 @@ BETA = 2.0 ** -128
 
 
 def within_bound(total: np.ndarray, bound: float) -> np.ndarray:
-    """``total`` (flattened, float64) scaled to L2 norm ``<= bound``; zero if not finite."""
-    x = np.asarray(total, dtype=np.float64).reshape(-1)
-    if not np.all(np.isfinite(x)):
-        return np.zeros_like(x)
-    peak = float(np.max(np.abs(x), initial=0.0))
-    norm = peak * float(np.linalg.norm(x / peak)) if peak > 0 else 0.0
-    return x * (bound / norm) if norm > bound else x
+    """``total`` (flattened, float64) scaled to L2 norm ``<= bound``; zero if not finite (the
+    clip of ``fedpriv.privacy.mechanisms``, on the node's one vector)."""
+    x = np.asarray(total, dtype=np.float64).reshape(1, -1)
+    return clip_by_norm(x, bound)[0] if bound > 0 else np.zeros(x.shape[1])
 
 
 def quantize_part(total: np.ndarray, num_users: int, clip_norm: float, signs: np.ndarray,

@@ -355,3 +355,11 @@ def test_a_node_sends_no_exact_sums_in_a_distributed_step_without_share_paramete
         assert all(0 <= p.wrap_probability <= 1e-9 for p in plans)
     finally:
         server.close()
+
+
+def test_a_distributed_run_whose_rounding_slack_would_exceed_the_delta_reserve_is_refused():
+    # (1 + e^60) x releases x nodes x 2^-128 is above 1e-6 of delta: refused, naming delta
+    with pytest.raises(ConfigError, match="^delta: .* conditional rounding"):
+        PrivateServer(config(aggregation="distributed", epsilon=60.0), 10, log=lambda _: None)
+    PrivateServer(config(aggregation="distributed", epsilon=20.0), 10,
+                  log=lambda _: None).close()  # e^20: far inside the reserve

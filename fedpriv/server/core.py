@@ -29,7 +29,6 @@ from fedpriv.server.discrete import (
     SharePlan,
     check_delta_slack,
     check_discrete,
-    decode_sum,
     honest_count,
     honest_minimum,
     ring_layout,
@@ -40,7 +39,7 @@ from fedpriv.server.release import Releaser, calibrate
 from fedpriv.server.replies import LOST_KINDS, CheckedReplies, NodeReply, ReplyChecker
 from fedpriv.server.report import progress_line, results_dict, step_report
 from fedpriv.server.store import CheckpointStore, algorithm_state
-from fedpriv.shares import DISTRIBUTED_KEY
+from fedpriv.shares import DISTRIBUTED_KEY, decode_sum
 
 
 class PrivateServer:
@@ -253,9 +252,9 @@ class PrivateServer:
         scale = self.release.rescale(step, answered, self._hosted, self.expected_users(step))
         if self.distributed and step.release is not None:
             plans = self.share_plans(step)
-            sums = {part.name: decode_sum([a.totals[part.name] for a in accepted], plan,
-                                          self.config.seed, step.label, part.name,
-                                          int(np.prod(part.shape)))
+            sums = {part.name: decode_sum([a.totals[part.name] for a in accepted],
+                                          plan.granularity, plan.bits, self.config.seed,
+                                          step.label, part.name, int(np.prod(part.shape)))
                     for part, plan in zip(step.parts, plans, strict=True)}
             honest = honest_count(self.config, self.num_partitions, len(accepted))
             if honest < honest_minimum(self.config, self.num_partitions):

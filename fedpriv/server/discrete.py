@@ -45,7 +45,6 @@ from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.discrete import power_of_two_at_most
 from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim, wrap_probability
 from fedpriv.shares import BETA
-from fedpriv.shares import decode_sum as decode_flat
 
 # the grid: rounding slack sqrt(d) g at most 1 / SLACK_FACTOR of the sensitivity
 SLACK_FACTOR = 2.0 ** 10
@@ -298,9 +297,3 @@ def check_ring_totals(totals: Mapping[str, Any], layout: Mapping[str, tuple[int,
         if value.size and (value.min() < 0 or value.max() >= 2 ** bits):
             return "range", f"{name!r} has values outside [0, 2^{bits})"
     return None
-
-
-def decode_sum(vectors: Sequence[np.ndarray], plan: SharePlan, seed: int, label: str,
-               part: str, size: int) -> np.ndarray:
-    """A part's sum plus the honest shares' noise, from the accepted nodes' vectors."""
-    return decode_flat(vectors, plan.granularity, plan.bits, seed, label, part, size)
