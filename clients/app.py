@@ -10,6 +10,7 @@ SuperNode has its own copy: of a csv/parquet table it then reads only its own us
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -20,13 +21,15 @@ from flwr.clientapp import ClientApp
 # during node discovery, not in a node's first step, where they counted against node-timeout.
 import fedpriv.algorithms.catalogue  # noqa: F401
 from fedpriv import protocol as P
-from fedpriv.algorithms.base import Step
+from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.algorithms.deep.params import FILE_SOURCES
 from fedpriv.config import RunConfig
 from fedpriv.configure import parse_config
 from fedpriv.evaluation import algorithm_for
 from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.nodes import node_step
+from fedpriv.secagg import node as secure
+from fedpriv.secagg.records import from_records, load_state, save_state, to_records
 
 app = ClientApp()
 
@@ -108,3 +111,59 @@ def step(msg: Message, context: Context) -> Message:
 @app.evaluate("final")
 def final(msg: Message, context: Context) -> Message:
     return _answer(msg, context)
+
+
+# ----- secure aggregation (aggregation = "secure"): one handler per stage -------------------
+def _secure(msg: Message, context: Context, stage: str) -> Message:
+    pid, parts = _partition(context)
+    config = _run_config(context, pid, parts)
+    state = load_state(context.state)
+    payload = from_records(msg.content)
+    if stage == "setup":
+        step = Step.from_json(str(payload["step"]))
+        faulty = pid in failing_partitions(config.seed, step.label, parts,
+                                           config.node_fault_rate)
+        state["fault"] = int(faulty)
+
+        def compute(step: Step, arrays: Mapping[str, np.ndarray]) -> UserContribution:
+            algorithm = algorithm_for(config)
+            contrib = node_step(algorithm, config, step, arrays,
+                                algorithm.hosted_users(config, pid, parts))
+            return (corrupted(contrib) if faulty and config.node_fault_kind == "corrupt"
+                    else contrib)
+
+        arrays = {k: v for k, v in payload.items() if isinstance(v, np.ndarray)}
+        reply = secure.setup(config, pid, parts, state, payload, arrays, compute)
+    elif stage == "share-keys":
+        reply = secure.share_keys(pid, state, payload)
+    elif stage == "collect":
+        if state.get("fault") and config.node_fault_kind == "crash":
+            raise RuntimeError(f"simulated crash of partition {pid} mid-protocol "
+                               "(node-fault-rate)")
+        if state.get("fault") and config.node_fault_kind == "timeout":
+            time.sleep(config.node_timeout + 2.0)
+        reply = secure.collect(pid, state, payload)
+    else:
+        reply = secure.unmask(config, pid, parts, state, payload)
+    save_state(context.state, state)
+    return Message(to_records(reply), reply_to=msg)
+
+
+@app.train("secagg_setup")
+def secagg_setup(msg: Message, context: Context) -> Message:
+    return _secure(msg, context, "setup")
+
+
+@app.query("secagg_keys")
+def secagg_keys(msg: Message, context: Context) -> Message:
+    return _secure(msg, context, "share-keys")
+
+
+@app.query("secagg_collect")
+def secagg_collect(msg: Message, context: Context) -> Message:
+    return _secure(msg, context, "collect")
+
+
+@app.query("secagg_unmask")
+def secagg_unmask(msg: Message, context: Context) -> Message:
+    return _secure(msg, context, "unmask")

@@ -40,7 +40,7 @@ METRICS_SPLITS = ("test", "validation")
 ACCOUNTANTS = ("pld", "rdp")
 NEIGHBOURING_RELATIONS = ("add-remove", "replace-one")
 FAULT_KINDS = ("crash", "timeout", "corrupt")
-AGGREGATIONS = ("central", "distributed")
+AGGREGATIONS = ("central", "distributed", "secure")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +97,8 @@ class RunConfig:
     aggregation: str = key(Param(
         "aggregation", str, "central", "`central` (the server adds the noise: it is trusted) "
         "or `distributed` (each node adds its share of Skellam noise to its rotated, "
-        "quantized sum, modulo 2^b; the server sees the sum of the shares); distributed needs "
+        "quantized sum, modulo 2^b; the server sees each node's noisy share) or `secure` (the "
+        "same shares, masked by secure aggregation: the server sees only their sum); both need "
         "accountant = `rdp` and no Poisson sampling by the server",
         *one_of(AGGREGATIONS)))
     collusion_threshold: float = key(Param(
@@ -105,6 +106,10 @@ class RunConfig:
         "that may drop out of a round or collude with the server; each node's noise share is "
         "sized so that the other nodes' shares alone carry the planned noise",
         lambda x: 0 <= x < 1, "a number in [0, 1) (at 1 no honest node's noise would be left)"))
+    secure_threshold: int = key(Param(
+        "secure-threshold", int, 0, "secure: the nodes needed to unmask a round (Shamir "
+        "threshold); 0 = a majority of the nodes, and always more than the nodes that may "
+        "collude (collusion-threshold)", lambda x: x >= 0, "an integer >= 0 (0: automatic)"))
     modulus_bits: int = key(Param(
         "modulus-bits", int, 0, "distributed: bits b of the modular sum (mod 2^b); 0 = the "
         "smallest b whose wrap-around probability is at most 1e-9",
@@ -166,16 +171,19 @@ class RunConfig:
                               "= true (the noise comes from OS entropy; a fixed noise seed "
                               "would make it predictable); remove noise-seed")
         discrete = [k for k, on in (("secure-noise = true", self.secure_noise),
-                                    ('aggregation = "distributed"',
-                                     self.aggregation == "distributed")) if on]
+                                    (f'aggregation = "{self.aggregation}"',
+                                     self.noise_shares)) if on]
         if discrete and self.accountant != "rdp":
             raise ConfigError(f"accountant: {discrete[0]} draws discrete noise, whose guarantee "
                               "is a zCDP bound accounted with RDP (dp-accounting's PLD of a "
                               "continuous Gaussian does not cover it); set accountant = "
                               '"rdp"')
-        if self.modulus_bits and self.aggregation != "distributed":
+        if self.modulus_bits and not self.noise_shares:
             raise ConfigError(f"modulus-bits: {self.modulus_bits} is only used with aggregation "
-                              '= "distributed"; remove it')
+                              '= "distributed" or "secure"; remove it')
+        if self.secure_threshold and self.aggregation != "secure":
+            raise ConfigError(f"secure-threshold: {self.secure_threshold} is only used with "
+                              'aggregation = "secure"; remove it')
         if self.max_epsilon and self.epsilon > self.max_epsilon:
             raise ConfigError(f"epsilon: the target {self.epsilon} exceeds max-epsilon "
                               f"({self.max_epsilon}); the run would spend more than allowed")
@@ -196,6 +204,11 @@ class RunConfig:
     def has(self, key: str) -> bool:
         """Whether ``key`` (kebab-case) is a key of this run (core or the algorithm's own)."""
         return key.replace("-", "_") in {f.name for f in fields(self)}
+
+    @property
+    def noise_shares(self) -> bool:
+        """Each node adds its own noise share (``aggregation`` distributed or secure)."""
+        return self.aggregation in ("distributed", "secure")
 
     @property
     def ceiling(self) -> float:

@@ -15,7 +15,9 @@ from typing import Any
 from fedpriv.config import RunConfig
 from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.nodes import auto_num_nodes, node_step
+from fedpriv.secagg.local import LocalNodes
 from fedpriv.server import NodeReply, PrivateServer
+from fedpriv.server.secagg import SecureRound
 
 
 def run_in_process(config: RunConfig, num_partitions: int | None = None,
@@ -28,9 +30,15 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
     server = PrivateServer(config, parts, log=log, checkpoint_path=checkpoint_path)
     try:
         algorithm_cls = type(server.algorithm)
+        local = LocalNodes(config, algorithm_cls, parts)
         while (step := server.next_step()) is not None:
             t0 = time.perf_counter()
             arrays = server.payload(step)
+            if server.secure:
+                server.aggregate_secure(step, SecureRound(
+                    local.send, step, arrays, range(parts), server.threshold, server.history(),
+                    log).run(), t0)
+                continue
             failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
             replies = []
             for p in range(parts):

@@ -35,7 +35,7 @@ def node_step(algorithm: type[Algorithm[Any]], config: RunConfig, step: Step,
     blocks of at most ``block_users()`` hosted users (those of each block that take part in
     the step), summed."""
     arrays, shares = split_parameters(arrays)
-    if shares is None and config.aggregation == "distributed" and step.release is not None:
+    if shares is None and config.noise_shares and step.release is not None:
         raise ValueError(f"{step.label}: the run is distributed but the server's broadcast "
                          "carries no noise-share parameters; this node sends no exact sums")
     total = _users_step(algorithm, config, step, arrays, hosted)

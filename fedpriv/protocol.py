@@ -18,3 +18,9 @@ KEY_DATA_PART = "data-part"
 METRIC_PREFIX = "m."
 KEY_COMPUTE_S = "compute-s"  # the node's seconds in node_step (the profile in the operator report)
 KEY_DECODE_S = "decode-s"  # the node's seconds reading the step and its arrays
+
+# secure aggregation (aggregation = "secure"): one message type per stage of a round
+MSG_SECAGG = {"setup": "train.secagg_setup", "share-keys": "query.secagg_keys",
+              "collect": "query.secagg_collect", "unmask": "query.secagg_unmask"}
+SECAGG_STATE = "secagg"  # a node's context.state: its secure-aggregation state
+SECAGG_STATE_ARRAYS = "secagg-arrays"

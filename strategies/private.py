@@ -23,7 +23,10 @@ from flwr.serverapp.strategy import Strategy
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import RunConfig
+from fedpriv.secagg.node import Failure
+from fedpriv.secagg.records import from_records, to_records
 from fedpriv.server import NodeReply, PrivateServer, summary_lines
+from fedpriv.server.secagg import Reply, SecureRound
 
 
 def _log(text: str) -> None:
@@ -166,12 +169,42 @@ class PrivateStrategy(Strategy):
             return NodeReply(pid, error=f"malformed reply: {err!r}"[:300], failure="malformed")
         return NodeReply(pid, contrib)
 
+    def _secure_send(self, grid: Grid) -> Any:
+        """A secure round's transport: one message per addressed node, its reply back."""
+        node_of = {pid: node for node, pid in self.partitions.items()}
+
+        def send(stage: str, messages: dict[int, dict[str, Any]]) -> dict[int, Reply]:
+            out: dict[int, Reply] = {}
+            msgs = [Message(to_records(m), dst_node_id=node_of[pid],
+                            message_type=P.MSG_SECAGG[stage]) for pid, m in messages.items()]
+            for reply in grid.send_and_receive(msgs, timeout=self.config.node_timeout):
+                pid = self.partitions.get(reply.metadata.src_node_id)
+                if pid is None or pid not in messages:
+                    continue
+                if reply.has_error():
+                    failed = self._to_node_reply(pid, reply)
+                    out[pid] = Failure(failed.failure, str(failed.error))
+                    continue
+                try:
+                    out[pid] = from_records(reply.content)
+                except Exception as err:  # noqa: BLE001 -- anything a broken node sends
+                    out[pid] = Failure("malformed", f"malformed reply: {err!r}"[:300])
+            return out
+
+        return send
+
     # -- the whole run ------------------------------------------------------------------------
     def run(self, grid: Grid) -> dict[str, Any]:
         started = time.perf_counter()
         while (step := self.server.next_step()) is not None:
             number = self.server.completed + 1
             self._step, self._started = step, time.perf_counter()
+            if self.server.secure:  # the server sees only the masked vectors and their sum
+                outcome = SecureRound(self._secure_send(grid), step, self.server.payload(step),
+                                      sorted(self.partitions.values()), self.server.threshold,
+                                      self.server.history(), _log).run()
+                self.server.aggregate_secure(step, outcome, self._started)
+                continue
             arrays = ArrayRecord({k: Array(np.asarray(v))
                                   for k, v in self.server.payload(step).items()})
             config = ConfigRecord({P.KEY_STEP: step.to_json()})

@@ -36,7 +36,8 @@ from fedpriv.server.discrete import (
 )
 from fedpriv.server.discrete import payload as share_payload
 from fedpriv.server.release import Releaser, calibrate
-from fedpriv.server.replies import LOST_KINDS, CheckedReplies, NodeReply, ReplyChecker
+from fedpriv.server.replies import LOST_KINDS, CheckedReplies, NodeReply, Rejection, ReplyChecker
+from fedpriv.server.secagg import SecureOutcome, check_threshold
 from fedpriv.server.report import progress_line, results_dict, step_report
 from fedpriv.server.store import CheckpointStore, algorithm_state
 from fedpriv.shares import DISTRIBUTED_KEY, decode_sum
@@ -73,7 +74,10 @@ class PrivateServer:
         self._expected_cache: tuple[str, dict[int, int | None]] | None = None
         self._share_cache: tuple[str, list[SharePlan]] | None = None
         self.resumed_from: int | None = None
-        self.distributed = config.aggregation == "distributed" and bool(self.plan)
+        self.distributed = config.noise_shares and bool(self.plan)
+        self.secure = config.aggregation == "secure" and bool(self.plan)
+        if self.secure:
+            self.threshold = check_threshold(config, num_partitions)
         if self.distributed:  # a modulus too small fails now, before round 1
             seen = set()
             for step in self.steps():
@@ -196,12 +200,59 @@ class PrivateServer:
                 if self.distributed and step.release is not None and not step.is_final
                 else None)
         checked = self.replies.check(step, replies, self.expected_users(step), ring)
-        for r in checked.rejected:
+        return self._finish(step, checked.accepted, checked.rejected,
+                            self._present(step, replies, checked), rejections, bounded,
+                            started)
+
+    def aggregate_secure(self, step: Step, outcome: SecureOutcome,
+                         started: float) -> dict[str, Any]:
+        """A securely aggregated step: ``outcome.total`` is the sum over the surviving nodes
+        (ring vectors; counts and metrics), the only thing the server learned of their
+        contributions. The nodes lost on the way are counted as rejections; the present ones
+        are those of a central or distributed run (a node lost in transit is missing, one
+        that failed on its data counts with zero)."""
+        if step != self.pending_steps()[0]:
+            raise RuntimeError(f"step {step.label} is out of order; next is "
+                               f"{self.pending_steps()[0].label}")
+        rejections, bounded = Counter(self.rejections), self.bounded
+        rejected = [Rejection(n, kind, f"{stage}: {detail}")
+                    for n, (stage, kind, detail) in sorted(outcome.failures.items())]
+        self.replies.rejections.update(r.kind for r in rejected)
+        expected = self.expected_users(step)
+        if all(v is not None for v in expected.values()):
+            want = sum(int(expected[n] or 0) for n in outcome.survivors)
+            if outcome.total.num_users != want:
+                self.replies.rejections["user-count"] += 1
+                rejected.append(Rejection(-1, "user-count", f"the surviving nodes' sum claims "
+                                          f"{outcome.total.num_users} users, not {want}"))
+        lost = {n for n, (_, kind, _) in outcome.failures.items() if kind in LOST_KINDS}
+        lost |= failing_partitions(self.config.seed, step.label, self.num_partitions,
+                                   self.config.node_fault_rate)
+        present = set(range(self.num_partitions)) - lost
+        report = self._finish(step, [outcome.total], rejected, present, rejections, bounded,
+                              started, contributors=len(outcome.survivors))
+        report["secure_bytes_to_nodes"] = outcome.bytes_to_nodes
+        report["secure_bytes_from_nodes"] = outcome.bytes_from_nodes
+        return report
+
+    def history(self) -> dict[str, float]:
+        """{release label: rho} of the zCDP releases so far (what a secure round's nodes check
+        their budget against)."""
+        return {str(e["release"]): float(e["rho"]) for e in self.accountant.ledger
+                if "rho" in e}
+
+    def _finish(self, step: Step, accepted: Sequence[UserContribution],
+                rejected: Sequence[Rejection], present: set[int], rejections: Counter[str],
+                bounded: int, started: float, contributors: int | None = None,
+                ) -> dict[str, Any]:
+        """Release (or finalize) the step from the accepted contributions, checkpoint, report.
+        ``contributors``: how many nodes' contributions ``accepted`` sums (secure: one sum)."""
+        for r in rejected:
             self.log(f"  {step.label}: rejected node (partition {r.partition_id}): {r.kind}: "
                      f"{r.detail}")
-        accepted = checked.accepted
+        count = len(accepted) if contributors is None else contributors
         users = sum(a.num_users for a in accepted)
-        report = step_report(step, len(accepted), self.num_partitions, users,
+        report = step_report(step, count, self.num_partitions, users,
                              self.rejections - rejections)
         if step.is_final:
             # every accepted reply of a metrics step has the same metrics (ReplyChecker)
@@ -218,7 +269,7 @@ class PrivateServer:
                 self.metrics = self.algorithm.finalize(sums, users)
             report.update(self.metrics)
         else:
-            report.update(self._release(step, accepted, self._present(step, replies, checked)))
+            report.update(self._release(step, accepted, present, count))
             report["nodes_bounded"] = self.bounded - bounded
             report["users_clipped"] = sum(a.num_clipped for a in accepted)
         report["seconds"] = time.perf_counter() - started
@@ -243,7 +294,7 @@ class PrivateServer:
         return set(range(self.num_partitions)) - lost
 
     def _release(self, step: Step, accepted: Sequence[UserContribution],
-                 answered: set[int]) -> dict[str, Any]:
+                 answered: set[int], contributors: int) -> dict[str, Any]:
         """Population means of the bounded node sums, released by the release unit."""
         population = step.population or self.config.num_users
         if step.parts[0].mechanism == "exponential":
@@ -256,7 +307,7 @@ class PrivateServer:
                                           plan.granularity, plan.bits, self.config.seed,
                                           step.label, part.name, int(np.prod(part.shape)))
                     for part, plan in zip(step.parts, plans, strict=True)}
-            honest = honest_count(self.config, self.num_partitions, len(accepted))
+            honest = honest_count(self.config, self.num_partitions, contributors)
             if honest < honest_minimum(self.config, self.num_partitions):
                 self.log(f"  {step.label}: only {honest} honest nodes' noise shares (more nodes "
                          "dropped out than collusion-threshold allows): the ledger records the "
@@ -344,7 +395,7 @@ def check_run(config: RunConfig, checkpoint_path: Path | None = None,
     from fedpriv.nodes import auto_num_nodes  # the node layout (nodes import no server)
 
     nodes = num_partitions or (auto_num_nodes(config.num_users, config.users_per_node)
-                               if config.aggregation == "distributed" else 1)
+                               if config.noise_shares else 1)
     server = PrivateServer(config, nodes, log=lambda _: None, checkpoint_path=checkpoint_path)
     server.close()
     return server

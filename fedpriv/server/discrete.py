@@ -44,6 +44,7 @@ from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, PlannedRelease
 from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.discrete import power_of_two_at_most
 from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim, wrap_probability
+from fedpriv.server.secagg import threshold
 from fedpriv.shares import BETA
 
 # the grid: rounding slack sqrt(d) g at most 1 / SLACK_FACTOR of the sensitivity
@@ -59,7 +60,7 @@ DELTA_RESERVE = 1e-6
 
 def discrete(config: RunConfig) -> bool:
     """Whether the run draws discrete noise (and is accounted by ``DISCRETE_ACCOUNTANT``)."""
-    return config.secure_noise or config.aggregation == "distributed"
+    return config.secure_noise or config.noise_shares
 
 
 def accountant_kind(config: RunConfig) -> str:
@@ -79,13 +80,13 @@ def sampling_key(config: RunConfig) -> tuple[str, str]:
 def check_discrete(config: RunConfig, algorithm: Algorithm[Any],
                    plan: Sequence[PlannedRelease]) -> None:
     """Refuse, before round 1, what discrete noise cannot do, naming the key."""
-    if config.aggregation == "distributed" and not plan:
+    if config.noise_shares and not plan:
         raise ConfigError(f"aggregation: {config.algorithm} releases nothing with noise, so "
                           "distributed noise has nothing to protect; use aggregation = "
                           '"central"')
     if not discrete(config) or not plan:
         return
-    mode = ('aggregation = "distributed"' if config.aggregation == "distributed"
+    mode = (f'aggregation = "{config.aggregation}"' if config.noise_shares
             else "secure-noise = true")
     sampled = [r for r in plan if r.sampling_rate < 1.0]
     if sampled:
@@ -94,10 +95,10 @@ def check_discrete(config: RunConfig, algorithm: Algorithm[Any],
             f"{key}: {mode} cannot use Poisson sampling by the server (release "
             f"{sampled[0].name!r} samples users at rate {sampled[0].sampling_rate:.4g}): "
             + ("a server that knows who was sampled gets no amplification; "
-               if config.aggregation == "distributed" else
+               if config.noise_shares else
                "the discrete Gaussian's zCDP bound is accounted without amplification; ")
             + fix)
-    if config.aggregation != "distributed":
+    if not config.noise_shares:
         return
     if any(r.mechanism == "exponential" for r in plan):
         raise ConfigError(f"aggregation: {config.algorithm} releases a choice by the exponential "
@@ -239,7 +240,7 @@ def ledger_parts(step: Step, plans: Sequence[SharePlan], honest: int,
 def delta_slack(config: RunConfig, plan: Sequence[PlannedRelease], nodes: int) -> float:
     """What conditional rounding adds to delta over the run: ``(1 + e^eps) R K BETA`` (R
     part releases, K nodes)."""
-    if config.aggregation != "distributed":
+    if not config.noise_shares:
         return 0.0
     releases = sum(r.count for r in plan) * 4  # parts per release: at most 4 (generous)
     return (1.0 + math.exp(min(config.ceiling, 700.0))) * releases * nodes * BETA
@@ -248,7 +249,7 @@ def delta_slack(config: RunConfig, plan: Sequence[PlannedRelease], nodes: int) -
 def accounting_delta(config: RunConfig) -> float:
     """The delta the accountant works at: distributed runs keep ``DELTA_RESERVE`` of the target
     for the conditional-rounding slack (``check_delta_slack``)."""
-    return config.delta * (1.0 - DELTA_RESERVE) if config.aggregation == "distributed" else (
+    return config.delta * (1.0 - DELTA_RESERVE) if config.noise_shares else (
         config.delta)
 
 
@@ -263,14 +264,19 @@ def check_delta_slack(config: RunConfig, plan: Sequence[PlannedRelease], nodes: 
 
 def trust(config: RunConfig, nodes: int) -> dict[str, Any]:
     """Who the release's guarantee trusts, and the noise it was drawn with."""
-    if config.aggregation == "distributed":
-        return {"aggregation": "distributed", "trusted": (
+    if config.noise_shares:
+        secure = config.aggregation == "secure"
+        return {"aggregation": config.aggregation, "trusted": (
             "each node with its own users (a node that colludes with the server exposes them); "
             "the server is not trusted with the noise of the honest nodes' users, up to the "
-            "declared collusion threshold, once secure aggregation hides the node vectors; "
-            "until then (a simulated modular sum) the server sees each node's noisy share"),
+            "declared collusion threshold: "
+            + ("secure aggregation hides each node's vector, the server sees only the masked "
+               "vectors and their sum (threat model: an honest-but-curious server that follows "
+               "the protocol, no Sybil nodes)" if secure else
+               "a simulated modular sum: the server sees each node's noisy share")),
             "collusion_threshold": config.collusion_threshold,
             "honest_nodes_guaranteed": honest_minimum(config, nodes),
+            **({"secure_threshold": threshold(config, nodes)} if secure else {}),
             "noise": ("skellam shares from each node's ChaCha20 stream keyed by the OS (numpy's "
                       "floating-point Poisson sampler on it: integer-valued, its approximation "
                       "is not in the accounting)")}

@@ -78,7 +78,7 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
             "epsilon": epsilon,
             "target_epsilon": c.epsilon,
             "max_epsilon": c.ceiling,
-            "noise": "os-entropy" if c.secure_noise or c.aggregation == "distributed"
+            "noise": "os-entropy" if c.secure_noise or c.noise_shares
                      else "seeded",
             # who the guarantee trusts, and what noise it was drawn with
             "trust": trust(c, num_nodes),

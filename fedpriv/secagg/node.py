@@ -1,0 +1,306 @@
+"""A node's side of secure aggregation: check the round's plan, then the four SecAgg stages.
+
+Each stage is a function of the node's state (kept between a round's messages: Flower's
+``context.state`` on a SuperNode, a dict in process) and of the server's message; it returns
+the reply. The node's contribution is computed in the setup stage (``compute``: the node's users'
+step, ``fedpriv.nodes.node_step``, which quantizes it and adds the node's noise share), kept
+on the node, and leaves it only masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)`` modulo each part's
+``2^bits`` (Bonawitz et al. 2017). Per-node counts and metrics travel in the same masked vector
+(fixed point modulo ``2^62``), never in plain.
+
+Before it contributes, the node checks the round against the run's declared plan
+(``check_round``): the noise share, grid and modulus it recomputes from the run config and the
+step; the budget: the epsilon of the releases so far (the server's ledger, which must agree
+with what this node saw) and this one, which must stay within the ceiling. It refuses a round
+that would lower its noise or exceed the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from fedpriv.algorithms.base import Step, UserContribution
+from fedpriv.config import RunConfig
+from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, ZCDP, epsilon_of
+from fedpriv.privacy.quantize import from_ring, padded_dim, to_ring
+from fedpriv.secagg import crypto as C
+from fedpriv.shares import DISTRIBUTED_KEY
+
+COUNT_BITS = 62  # the counts-and-metrics segment: modulo 2^62
+METRIC_SCALE = 2.0 ** 20  # metrics in fixed point: units of 2^-20
+COUNTS = "__counts__"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a transport got instead of a node's reply: the kind (one of the server's
+    ``REJECTION_KINDS``) and why."""
+
+    kind: str
+    detail: str
+
+
+class RoundRefused(ValueError):
+    """The node will not take part in this round (a plan check or a protocol check failed)."""
+
+
+# ----- the plan check ------------------------------------------------------------------------
+@lru_cache(maxsize=8)
+def _multipliers(config_json: str) -> dict[str, float]:
+    from fedpriv.configure import parse_config
+    from fedpriv.evaluation import algorithm_for
+    from fedpriv.server.release import calibrate
+
+    config = parse_config(json.loads(config_json))
+    plan = algorithm_for(config)(config).privacy_plan()
+    return {r.name: z for r, z in zip(plan, calibrate(config, plan), strict=True)}
+
+
+def planned_rho(config: RunConfig, nodes: int, step: Step, honest: int) -> float:
+    """The zCDP rho of ``step`` when ``honest`` nodes' shares are in the sum, by the node's own
+    calculation from the run config."""
+    return sum(p.rho(honest) for p in expected_shares(config, nodes, step))
+
+
+def expected_shares(config: RunConfig, nodes: int, step: Step) -> list[Any]:
+    """The share plans of ``step``'s parts as the node computes them (the server's
+    ``share_plan`` from the config's calibrated multiplier)."""
+    from fedpriv.server.discrete import share_plan
+
+    if step.release is None:
+        raise RoundRefused(f"{step.label} releases nothing with noise")
+    z = _multipliers(json.dumps(config.to_mapping(), sort_keys=True, default=str)).get(
+        step.release)
+    if z is None:
+        raise RoundRefused(f"{step.label}: release {step.release!r} is not in the run's plan")
+    population = step.population or config.num_users
+    return [share_plan(config, part, z / math.sqrt(part.share), population, nodes)
+            for part in step.parts]
+
+
+def check_round(config: RunConfig, nodes: int, step: Step, params: np.ndarray | None,
+                history: Mapping[str, float], seen: Mapping[str, float]) -> float:
+    """Refuse (``RoundRefused``) a round whose public parameters do not match the run's plan;
+    returns the epsilon after it. ``params``: the server's share parameters (one row per part:
+    granularity, node variance, bits). ``history``: the server's ledger so far {release label:
+    rho}; ``seen``: the rounds this node took part in {label: rho by its own count}."""
+    from fedpriv.server.discrete import accounting_delta, honest_minimum
+
+    if step.is_final:
+        return math.nan
+    if params is None:
+        raise RoundRefused(f"{step.label}: no noise-share parameters")
+    expected = expected_shares(config, nodes, step)
+    rows = np.asarray(params, dtype=np.float64)
+    if rows.shape != (len(expected), 3):
+        raise RoundRefused(f"{step.label}: {rows.shape[0] if rows.ndim else 0} share rows for "
+                           f"{len(expected)} parts")
+    for part, plan, (g, variance, bits) in zip(step.parts, expected, rows, strict=True):
+        if g != plan.granularity or bits != plan.bits or not (
+                variance >= plan.node_variance * (1.0 - 1e-12)):
+            raise RoundRefused(
+                f"{step.label}/{part.name}: the server asks for granularity {g:g}, share "
+                f"variance {variance:.6g}, {bits:g} bits; the run's plan gives "
+                f"{plan.granularity:g}, {plan.node_variance:.6g}, {plan.bits}")
+    for label, rho in seen.items():
+        if history.get(label, -1.0) < rho * (1.0 - 1e-9):
+            raise RoundRefused(f"the server's ledger does not hold release {label} as this "
+                               f"node saw it (rho {rho:.6g})")
+    if step.label in history:
+        raise RoundRefused(f"{step.label} was released already")
+    counts: dict[tuple[float, float], int] = {}
+    this = planned_rho(config, nodes, step, honest_minimum(config, nodes))
+    for rho in [*history.values(), this]:
+        counts[(float(rho), ZCDP)] = counts.get((float(rho), ZCDP), 0) + 1
+    epsilon = epsilon_of(counts, accounting_delta(config), DISCRETE_ACCOUNTANT,
+                         config.neighbouring_relation)
+    if epsilon > config.ceiling * (1.0 + 1e-9):
+        raise RoundRefused(f"{step.label} would bring epsilon to {epsilon:.6g}, above the "
+                           f"run's ceiling {config.ceiling:g}")
+    return epsilon
+
+
+# ----- the stages ----------------------------------------------------------------------------
+def counts_vector(contrib: UserContribution, names: list[str]) -> np.ndarray:
+    """Counts and metrics in fixed point, modulo ``2^COUNT_BITS``."""
+    metrics = contrib.metrics or {}
+    values = [float(metrics[k]) for k in names]
+    if not all(math.isfinite(v) and abs(v) * METRIC_SCALE < 2.0 ** (COUNT_BITS - 2)
+               for v in values):
+        raise RoundRefused("a metric is not finite or too large for the secure sum")
+    ints = [int(contrib.num_users), int(contrib.num_clipped)] + [
+        round(v * METRIC_SCALE) for v in values]
+    return to_ring(np.array(ints, dtype=np.int64), COUNT_BITS)
+
+
+def read_counts(vector: np.ndarray, names: list[str]) -> tuple[int, int, dict[str, float]]:
+    """The summed counts and metrics back from the counts segment."""
+    lifted = from_ring(np.asarray(vector, dtype=np.uint64), COUNT_BITS)
+    return (int(lifted[0]), int(lifted[1]),
+            {k: float(v) / METRIC_SCALE for k, v in zip(names, lifted[2:], strict=True)})
+
+
+def own_layout(step: Step, params: np.ndarray | None, names: list[str]) -> C.Layout:
+    """The masked vector of ``step``: each noised part's ring vector, then the counts."""
+    segments = []
+    if not step.is_final and params is not None:
+        for part, row in zip(step.parts, np.asarray(params), strict=True):
+            segments.append(C.Segment(part.name, padded_dim(int(np.prod(part.shape))),
+                                      int(row[2])))
+    segments.append(C.Segment(COUNTS, 2 + len(names), COUNT_BITS))
+    return C.Layout(tuple(segments))
+
+
+def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
+          msg: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
+          compute: Callable[[Step, Mapping[str, np.ndarray]], UserContribution],
+          ) -> dict[str, Any]:
+    """Stage 1: check the round, compute the contribution, make this round's key pairs;
+    reply the public keys (and the metric names of a final step, which are public)."""
+    step = Step.from_json(str(msg["step"]))
+    params = arrays.get(DISTRIBUTED_KEY)
+    history = dict(zip(msg["history-labels"], msg["history-rho"], strict=True))
+    seen = dict(zip(state.get("seen-labels", []), state.get("seen-rho", []), strict=True))
+    if not 2 <= int(msg["threshold"]) <= nodes:
+        raise RoundRefused(f"threshold {msg['threshold']} is not in [2, {nodes}]")
+    check_round(config, nodes, step, params, history, seen)
+    contrib = compute(step, arrays)
+    names = sorted(contrib.metrics or {}) if step.is_final else []
+    values = {COUNTS: counts_vector(contrib, names)}
+    if not step.is_final:
+        values.update({k: np.asarray(v).astype(np.uint64) for k, v in contrib.totals.items()})
+    layout = own_layout(step, params, names)
+    c_sk, c_pk = C.key_pair()
+    s_sk, s_pk = C.key_pair()
+    for key in [k for k in state if k.startswith("round/")]:
+        del state[key]  # a new round forgets the last one's secrets
+    state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
+                  "round/threshold": int(msg["threshold"]), "round/layout": json.dumps(
+                      layout.to_json()), "round/metrics": json.dumps(names),
+                  "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
+                  "round/s-pk": s_pk, "round/vector": layout.join(values)})
+    return {"c-pk": c_pk, "s-pk": s_pk, "metric-names": json.dumps(names)}
+
+
+def _check_round_id(state: Mapping[str, Any], msg: Mapping[str, Any]) -> None:
+    if "round/id" not in state or bytes(msg["round"]) != state["round/id"]:
+        raise RoundRefused("a message for a round this node has not set up")
+
+
+def share_keys(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str, Any]:
+    """Stage 2: the server forwards the public keys of the nodes that answered stage 1 (U1);
+    share the mask seed ``b_u`` and the mask key ``s_sk`` among them (Shamir, threshold t),
+    each share encrypted for its holder."""
+    _check_round_id(state, msg)
+    u1 = [int(v) for v in msg["nodes"]]
+    t = int(state["round/threshold"])
+    if json.loads(str(msg["layout"])) != json.loads(state["round/layout"]):
+        raise RoundRefused("the server's vector layout is not this node's")
+    if len(set(u1)) != len(u1) or pid not in u1 or len(u1) < t:
+        raise RoundRefused(f"the key list has {len(u1)} nodes (threshold {t}), duplicates or "
+                           "not this node")
+    c_pks, s_pks = list(msg["c-pks"]), list(msg["s-pks"])
+    me = u1.index(pid)
+    if c_pks[me] != state["round/c-pk"] or s_pks[me] != state["round/s-pk"]:
+        raise RoundRefused("the server forwarded another public key for this node")
+    seed = secrets.token_bytes(C.SEED_BYTES)
+    seed_shares = C.create_shares(seed, t, len(u1))
+    key_shares = C.create_shares(state["round/s-sk"], t, len(u1))
+    dst, out = [], []
+    for i, v in enumerate(u1):
+        if v == pid:
+            continue
+        plain = C.pack_share(pid, v, seed_shares[i], key_shares[i])
+        out.append(C.encrypt(C.cipher_key(state["round/c-sk"], c_pks[i]), plain))
+        dst.append(v)
+    state.update({"round/u1": u1, "round/c-pks": c_pks, "round/s-pks": s_pks,
+                  "round/seed": seed, "round/own-seed-share": seed_shares[me],
+                  "round/own-key-share": key_shares[me]})
+    return {"dst": dst, "ciphertexts": out, "seed-digest": C.digest(seed)}
+
+
+def pair_sign(u: int, v: int) -> int:
+    """``u`` adds the pair's mask if ``u < v`` and subtracts it otherwise."""
+    return 1 if u < v else -1
+
+
+def collect(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str, Any]:
+    """Stage 3: decrypt the shares held for the others (from the nodes of U2, who answered
+    stage 2), then send the contribution masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)``."""
+    _check_round_id(state, msg)
+    u1 = state["round/u1"]
+    src = [int(v) for v in msg["src"]]
+    if len(set(src)) != len(src) or pid in src or not set(src) <= set(u1):
+        raise RoundRefused("the shares come from unknown or repeated nodes")
+    u2 = sorted([*src, pid])
+    if len(u2) < int(state["round/threshold"]):
+        raise RoundRefused(f"only {len(u2)} nodes shared keys (threshold "
+                           f"{state['round/threshold']})")
+    seeds, keys = [], []
+    for v, ciphertext in zip(src, msg["ciphertexts"], strict=True):
+        i = u1.index(v)
+        plain = C.decrypt(C.cipher_key(state["round/c-sk"], state["round/c-pks"][i]),
+                          bytes(ciphertext))
+        seed_share, key_share = C.unpack_share(plain, v, pid)
+        seeds.append(seed_share)
+        keys.append(key_share)
+    layout = C.Layout.from_json(json.loads(state["round/layout"]))
+    masked = C.add(np.asarray(state["round/vector"], dtype=np.uint64),
+                   C.mask(state["round/seed"], layout), layout)
+    purpose = b"pair/" + state["round/id"]
+    for v in src:
+        pk = state["round/s-pks"][u1.index(v)]
+        masked = C.add(masked, C.mask(C.agree(state["round/s-sk"], pk, purpose), layout),
+                       layout, pair_sign(pid, v))
+    state.update({"round/u2": u2, "round/held-from": src, "round/held-seed": seeds,
+                  "round/held-key": keys})
+    del state["round/vector"]  # the exact contribution is not kept past this stage
+    return {"masked": masked}
+
+
+def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
+           msg: Mapping[str, Any]) -> dict[str, Any]:
+    """Stage 4: the consistency check (no node both active and dropped, every node of U2 one
+    or the other, at least the threshold active, this node among them), then the shares of the
+    active nodes' mask seeds and of the dropped nodes' mask keys, never both for one node."""
+    _check_round_id(state, msg)
+    active = [int(v) for v in msg["active"]]
+    dropped = [int(v) for v in msg["dropped"]]
+    u2 = set(state["round/u2"])
+    t = int(state["round/threshold"])
+    if set(active) & set(dropped):
+        raise RoundRefused(f"nodes {sorted(set(active) & set(dropped))} are reported both "
+                           "active and dropped: refusing to reveal both of their shares")
+    if (len(set(active)) != len(active) or len(set(dropped)) != len(dropped)
+            or set(active) | set(dropped) != u2 or pid not in active or len(active) < t):
+        raise RoundRefused(f"inconsistent unmask request: {len(active)} active, "
+                           f"{len(dropped)} dropped, {len(u2)} nodes sent masked keys, "
+                           f"threshold {t}")
+    held_from = state["round/held-from"]
+    seed_of, seed_shares, key_of, key_shares = [], [], [], []
+    for v in active:
+        seed_of.append(v)
+        seed_shares.append(state["round/own-seed-share"] if v == pid
+                           else state["round/held-seed"][held_from.index(v)])
+    for v in dropped:
+        key_of.append(v)
+        key_shares.append(state["round/held-key"][held_from.index(v)])
+    step = Step.from_json(state["round/step"])
+    if not step.is_final:  # remember what this round cost, to check the server's ledger
+        from fedpriv.server.discrete import honest_count
+
+        rho = planned_rho(config, nodes, step, honest_count(config, nodes, len(active)))
+        state["seen-labels"] = [*state.get("seen-labels", []), step.label]
+        state["seen-rho"] = [*state.get("seen-rho", []), rho]
+    for key in [k for k in state if k.startswith("round/")]:
+        del state[key]
+    return {"seed-of": seed_of, "seed-shares": seed_shares, "key-of": key_of,
+            "key-shares": key_shares}
