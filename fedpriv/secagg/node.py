@@ -52,6 +52,13 @@ class RoundRefused(ValueError):
     """The node will not take part in this round (a plan check or a protocol check failed)."""
 
 
+def threshold(config: RunConfig, nodes: int) -> int:
+    """The Shamir threshold ``t``: ``secure-threshold``, or by default a majority of the nodes
+    (and always more than the nodes that may collude)."""
+    colluders = math.floor(config.collusion_threshold * nodes)
+    return config.secure_threshold or max(nodes // 2 + 1, colluders + 1, 2)
+
+
 # ----- the plan check ------------------------------------------------------------------------
 @lru_cache(maxsize=8)
 def _multipliers(config_json: str) -> dict[str, float]:
@@ -73,12 +80,19 @@ def planned_rho(config: RunConfig, nodes: int, step: Step, honest: int) -> float
 def expected_shares(config: RunConfig, nodes: int, step: Step) -> list[Any]:
     """The share plans of ``step``'s parts as the node computes them (the server's
     ``share_plan`` from the config's calibrated multiplier)."""
+    return _expected(json.dumps(config.to_mapping(), sort_keys=True, default=str), nodes,
+                     step.to_json())
+
+
+@lru_cache(maxsize=64)
+def _expected(config_json: str, nodes: int, step_json: str) -> list[Any]:
+    from fedpriv.configure import parse_config
     from fedpriv.server.discrete import share_plan
 
+    config, step = parse_config(json.loads(config_json)), Step.from_json(step_json)
     if step.release is None:
         raise RoundRefused(f"{step.label} releases nothing with noise")
-    z = _multipliers(json.dumps(config.to_mapping(), sort_keys=True, default=str)).get(
-        step.release)
+    z = _multipliers(config_json).get(step.release)
     if z is None:
         raise RoundRefused(f"{step.label}: release {step.release!r} is not in the run's plan")
     population = step.population or config.num_users
@@ -169,8 +183,9 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     params = arrays.get(DISTRIBUTED_KEY)
     history = dict(zip(msg["history-labels"], msg["history-rho"], strict=True))
     seen = dict(zip(state.get("seen-labels", []), state.get("seen-rho", []), strict=True))
-    if not 2 <= int(msg["threshold"]) <= nodes:
-        raise RoundRefused(f"threshold {msg['threshold']} is not in [2, {nodes}]")
+    if int(msg["threshold"]) != threshold(config, nodes) or not 2 <= int(msg["threshold"]) <= nodes:
+        raise RoundRefused(f"threshold {msg['threshold']} is not the run's "
+                           f"({threshold(config, nodes)} of {nodes} nodes)")
     check_round(config, nodes, step, params, history, seen)
     contrib = compute(step, arrays)
     names = sorted(contrib.metrics or {}) if step.is_final else []

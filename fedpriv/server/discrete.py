@@ -82,7 +82,8 @@ def check_discrete(config: RunConfig, algorithm: Algorithm[Any],
     """Refuse, before round 1, what discrete noise cannot do, naming the key."""
     if config.noise_shares and not plan:
         raise ConfigError(f"aggregation: {config.algorithm} releases nothing with noise, so "
-                          "distributed noise has nothing to protect; use aggregation = "
+                          f"{config.aggregation} noise shares have nothing to protect; use "
+                          "aggregation = "
                           '"central"')
     if not discrete(config) or not plan:
         return

@@ -38,7 +38,7 @@ import numpy as np
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import ConfigError, RunConfig
 from fedpriv.secagg import crypto as C
-from fedpriv.secagg.node import COUNTS, Failure, own_layout, pair_sign, read_counts
+from fedpriv.secagg.node import COUNTS, Failure, own_layout, pair_sign, read_counts, threshold
 from fedpriv.shares import DISTRIBUTED_KEY
 
 STAGES = ("setup", "share-keys", "collect", "unmask")
@@ -51,13 +51,6 @@ Send = Callable[[str, Mapping[int, Mapping[str, Any]]], Mapping[int, Reply]]
 
 class SecureAggregationError(RuntimeError):
     """Too few nodes were left to unmask a round: nothing of it was released."""
-
-
-def threshold(config: RunConfig, nodes: int) -> int:
-    """The Shamir threshold ``t``: ``secure-threshold``, or by default a majority of the nodes
-    (and always more than the nodes that may collude)."""
-    colluders = math.floor(config.collusion_threshold * nodes)
-    return config.secure_threshold or max(nodes // 2 + 1, colluders + 1, 2)
 
 
 def check_threshold(config: RunConfig, nodes: int) -> int:
