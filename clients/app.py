@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 # The built-in algorithms (torch among their imports, slow to load cold) load with the ClientApp,
 # during node discovery, not in a node's first step, where they counted against node-timeout.
 import fedpriv.algorithms.catalogue  # noqa: F401
+from clients.records import from_records, load_state, save_state, to_records
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.algorithms.deep.params import FILE_SOURCES
@@ -29,7 +30,6 @@ from fedpriv.evaluation import algorithm_for
 from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.nodes import node_step
 from fedpriv.secagg import node as secure
-from fedpriv.secagg.records import from_records, load_state, save_state, to_records
 
 app = ClientApp()
 

@@ -20,11 +20,11 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from clients.records import from_records, to_records
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.secagg.node import Failure
-from fedpriv.secagg.records import from_records, to_records
 from fedpriv.server import NodeReply, PrivateServer, summary_lines
 from fedpriv.server.secagg import Reply, SecureRound
 

@@ -33,7 +33,7 @@ from flwr.supercore.primitives.asymmetric import (
     private_key_to_bytes,
     public_key_to_bytes,
 )
-from randomgen import ChaCha
+from randomgen import ChaCha  # type: ignore[import-untyped, unused-ignore]
 
 __all__ = ["Layout", "Segment", "agree", "combine_shares", "create_shares", "decrypt",
            "encrypt", "key_pair", "mask", "pack_share", "private_key", "public_key",
@@ -137,15 +137,16 @@ def mask(seed: bytes, layout: Layout) -> np.ndarray:
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(seed)}")
     stream = ChaCha(key=int.from_bytes(seed, "little"), counter=0, rounds=20)
-    words = np.asarray(stream.random_raw(layout.size), dtype=np.uint64)
-    return words & layout.moduli()
+    words: np.ndarray = np.asarray(stream.random_raw(layout.size), dtype=np.uint64)
+    masked: np.ndarray = words & layout.moduli()
+    return masked
 
 
 def add(a: np.ndarray, b: np.ndarray, layout: Layout, sign: int = 1) -> np.ndarray:
     """``a + sign b`` coordinate-wise modulo each segment's ``2^bits`` (uint64 wraps modulo
     ``2^64``, which every ``2^bits`` divides)."""
-    total = a + b if sign > 0 else a - b
-    return total & layout.moduli()
+    total: np.ndarray = (a + b if sign > 0 else a - b) & layout.moduli()
+    return total
 
 
 def pack_share(src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:

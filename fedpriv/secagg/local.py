@@ -26,7 +26,7 @@ class LocalNodes:
         self.states: dict[int, dict[str, Any]] = {p: {} for p in range(nodes)}
         self.step: Step | None = None
 
-    def _failing(self) -> set[int]:
+    def _failing(self) -> frozenset[int]:
         assert self.step is not None
         return failing_partitions(self.config.seed, self.step.label, self.nodes,
                                   self.config.node_fault_rate)

@@ -52,13 +52,6 @@ class RoundRefused(ValueError):
     """The node will not take part in this round (a plan check or a protocol check failed)."""
 
 
-def threshold(config: RunConfig, nodes: int) -> int:
-    """The Shamir threshold ``t``: ``secure-threshold``, or by default a majority of the nodes
-    (and always more than the nodes that may collude)."""
-    colluders = math.floor(config.collusion_threshold * nodes)
-    return config.secure_threshold or max(nodes // 2 + 1, colluders + 1, 2)
-
-
 # ----- the plan check ------------------------------------------------------------------------
 @lru_cache(maxsize=8)
 def _multipliers(config_json: str) -> dict[str, float]:
@@ -74,7 +67,7 @@ def _multipliers(config_json: str) -> dict[str, float]:
 def planned_rho(config: RunConfig, nodes: int, step: Step, honest: int) -> float:
     """The zCDP rho of ``step`` when ``honest`` nodes' shares are in the sum, by the node's own
     calculation from the run config."""
-    return sum(p.rho(honest) for p in expected_shares(config, nodes, step))
+    return float(sum(p.rho(honest) for p in expected_shares(config, nodes, step)))
 
 
 def expected_shares(config: RunConfig, nodes: int, step: Step) -> list[Any]:
@@ -183,6 +176,8 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     params = arrays.get(DISTRIBUTED_KEY)
     history = dict(zip(msg["history-labels"], msg["history-rho"], strict=True))
     seen = dict(zip(state.get("seen-labels", []), state.get("seen-rho", []), strict=True))
+    from fedpriv.server.discrete import threshold
+
     if int(msg["threshold"]) != threshold(config, nodes) or not 2 <= int(msg["threshold"]) <= nodes:
         raise RoundRefused(f"threshold {msg['threshold']} is not the run's "
                            f"({threshold(config, nodes)} of {nodes} nodes)")

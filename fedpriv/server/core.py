@@ -37,8 +37,8 @@ from fedpriv.server.discrete import (
 from fedpriv.server.discrete import payload as share_payload
 from fedpriv.server.release import Releaser, calibrate
 from fedpriv.server.replies import LOST_KINDS, CheckedReplies, NodeReply, Rejection, ReplyChecker
-from fedpriv.server.secagg import SecureOutcome, check_threshold
 from fedpriv.server.report import progress_line, results_dict, step_report
+from fedpriv.server.secagg import SecureOutcome, check_threshold
 from fedpriv.server.store import CheckpointStore, algorithm_state
 from fedpriv.shares import DISTRIBUTED_KEY, decode_sum
 

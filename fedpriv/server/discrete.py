@@ -44,7 +44,6 @@ from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, PlannedRelease
 from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.discrete import power_of_two_at_most
 from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim, wrap_probability
-from fedpriv.server.secagg import threshold
 from fedpriv.shares import BETA
 
 # the grid: rounding slack sqrt(d) g at most 1 / SLACK_FACTOR of the sensitivity
@@ -165,6 +164,13 @@ class SharePlan:
 def honest_minimum(config: RunConfig, nodes: int) -> int:
     """Nodes whose shares are always in the sum: all but ``floor(threshold * nodes)``."""
     return nodes - math.floor(config.collusion_threshold * nodes)
+
+
+def threshold(config: RunConfig, nodes: int) -> int:
+    """Secure aggregation's Shamir threshold ``t``: ``secure-threshold``, or by default a
+    majority of the nodes (and always more than the nodes that may collude)."""
+    colluders = math.floor(config.collusion_threshold * nodes)
+    return config.secure_threshold or max(nodes // 2 + 1, colluders + 1, 2)
 
 
 def honest_count(config: RunConfig, nodes: int, answered: int) -> int:

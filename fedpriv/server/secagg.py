@@ -38,7 +38,8 @@ import numpy as np
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import ConfigError, RunConfig
 from fedpriv.secagg import crypto as C
-from fedpriv.secagg.node import COUNTS, Failure, own_layout, pair_sign, read_counts, threshold
+from fedpriv.secagg.node import COUNTS, Failure, own_layout, pair_sign, read_counts
+from fedpriv.server.discrete import threshold
 from fedpriv.shares import DISTRIBUTED_KEY
 
 STAGES = ("setup", "share-keys", "collect", "unmask")
