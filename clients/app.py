@@ -17,9 +17,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.app.typing import MetricRecordValues
 from flwr.clientapp import ClientApp
 
-# The built-in algorithms (torch among their imports, slow to load cold) load with the ClientApp,
-# during node discovery, not in a node's first step, where they counted against node-timeout.
-import fedpriv.algorithms.catalogue  # noqa: F401
 from clients.records import from_records, load_state, save_state, to_records
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step, UserContribution
@@ -60,8 +57,17 @@ def _step(msg: Message) -> Step:
     return Step.from_json(str(msg.content[P.CONFIG][P.KEY_STEP]))
 
 
+def _load_algorithms() -> None:
+    """The built-in algorithms (torch among their imports, slow to load cold): loaded during
+    node discovery, not in a node's first step, where they counted against node-timeout; and
+    only by the handlers that compute (a deployment starts a ClientApp process per message, and
+    secure aggregation's key, collect and unmask stages need no model)."""
+    import fedpriv.algorithms.catalogue  # noqa: F401
+
+
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
+    _load_algorithms()
     pid, parts = _partition(context)
     info = ConfigRecord({P.KEY_PARTITION: pid, P.KEY_NUM_PARTITIONS: parts})
     return Message(RecordDict({P.CONFIG: info}), reply_to=msg)
@@ -69,6 +75,7 @@ def hello(msg: Message, context: Context) -> Message:
 
 def _answer(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
+    _load_algorithms()
     pid, parts = _partition(context)
     config = _run_config(context, pid, parts)
     step = _step(msg)
@@ -120,6 +127,7 @@ def _secure(msg: Message, context: Context, stage: str) -> Message:
     state = load_state(context.state)
     payload = from_records(msg.content)
     if stage == "setup":
+        _load_algorithms()
         step = Step.from_json(str(payload["step"]))
         faulty = pid in failing_partitions(config.seed, step.label, parts,
                                            config.node_fault_rate)

@@ -30,6 +30,7 @@ import numpy as np
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, ZCDP, epsilon_of
+from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.quantize import from_ring, padded_dim, to_ring
 from fedpriv.secagg import crypto as C
 from fedpriv.shares import DISTRIBUTED_KEY
@@ -182,6 +183,8 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         raise RoundRefused(f"threshold {msg['threshold']} is not the run's "
                            f"({threshold(config, nodes)} of {nodes} nodes)")
     check_round(config, nodes, step, params, history, seen)
+    plans = [] if step.is_final else [[p.l2, p.l1, p.node_variance]
+                                      for p in expected_shares(config, nodes, step)]
     contrib = compute(step, arrays)
     names = sorted(contrib.metrics or {}) if step.is_final else []
     values = {COUNTS: counts_vector(contrib, names)}
@@ -196,7 +199,8 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
                   "round/threshold": int(msg["threshold"]), "round/layout": json.dumps(
                       layout.to_json()), "round/metrics": json.dumps(names),
                   "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
-                  "round/s-pk": s_pk, "round/vector": layout.join(values)})
+                  "round/s-pk": s_pk, "round/vector": layout.join(values),
+                  "round/plans": json.dumps(plans)})
     return {"c-pk": c_pk, "s-pk": s_pk, "metric-names": json.dumps(names)}
 
 
@@ -307,7 +311,9 @@ def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     if not step.is_final:  # remember what this round cost, to check the server's ledger
         from fedpriv.server.discrete import honest_count
 
-        rho = planned_rho(config, nodes, step, honest_count(config, nodes, len(active)))
+        honest = max(honest_count(config, nodes, len(active)), 1)
+        rho = float(sum(skellam_rho(l2, l1, variance * honest)
+                        for l2, l1, variance in json.loads(state["round/plans"])))
         state["seen-labels"] = [*state.get("seen-labels", []), step.label]
         state["seen-rho"] = [*state.get("seen-rho", []), rho]
     for key in [k for k in state if k.startswith("round/")]:
