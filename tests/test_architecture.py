@@ -183,22 +183,12 @@ def test_commands_and_launchers_stay_below_the_command_line(name):
             "fedpriv.config.PLUGIN_CONFIG", "fedpriv.configure", "fedpriv.configure.select_keys"}
 
 
-# The one exception: secure aggregation is built on Flower's cryptographic primitives (key
-# agreement, authenticated encryption, Shamir sharing), which import no Flower runtime.
-FLOWER_CRYPTO = {"fedpriv.secagg.crypto": ("flwr.common.secure_aggregation.crypto.",
-                                           "flwr.supercore.primitives.")}
-
-
 def test_the_core_imports_no_flower_package():
     """fedpriv is the Flower-free core: no module of it imports flwr, or Flower's other
-    packages (flwr_datasets: the partitions are recomputed in NumPy), except Flower's
-    cryptographic primitives in ``fedpriv.secagg.crypto``."""
-    flower = {name: sorted(n for n in _imports(name) if n.split(".")[0].startswith("flwr")
-                           and not n.startswith(FLOWER_CRYPTO.get(name, ("-",))))
+    packages (flwr_datasets: the partitions are recomputed in NumPy)."""
+    flower = {name: sorted(n for n in _imports(name) if n.split(".")[0].startswith("flwr"))
               for name in modules() if name == "fedpriv" or name.startswith("fedpriv.")}
     assert not {k: v for k, v in flower.items() if v}
-    crypto = [n for n in _imports("fedpriv.secagg.crypto") if n.startswith("flwr")]
-    assert crypto and all(n.startswith(FLOWER_CRYPTO["fedpriv.secagg.crypto"]) for n in crypto)
 
 
 def test_the_deploy_package_loads_no_flower():

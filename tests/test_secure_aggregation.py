@@ -343,7 +343,9 @@ def test_pairwise_masks_cancel_in_every_segment():
                 seed = C.agree(sk, pk, purpose)
                 assert seed == C.agree(keys[v][0], keys[u][1], purpose)  # both ends agree
                 y = C.add(y, C.mask(seed, LAYOUT), LAYOUT, 1 if u < v else -1)
-        assert np.count_nonzero(y == vectors[u]) <= 1
+        # chance agreements only: 40 coordinates mod 2^7 agree ~0.3 times (Poisson); 8 or more
+        # has probability < 1e-9
+        assert np.count_nonzero(y == vectors[u]) < 8
         masked.append(y)
     total = np.zeros(LAYOUT.size, dtype=np.uint64)
     for y in masked:

@@ -1,68 +1,72 @@
-"""The cryptography of secure aggregation: Flower's primitives, a ChaCha20 mask generator.
+"""The cryptography of secure aggregation: Flower's SecAgg+ primitives, a ChaCha20 mask generator.
 
-Key agreement, authenticated encryption and Shamir sharing are Flower's
-(``flwr.supercore.primitives.asymmetric``: ECDH on SECP384R1;
-``flwr.common.secure_aggregation.crypto``: HKDF-SHA256 to a Fernet key, Fernet's AES-CBC +
-HMAC, pycryptodome's Shamir over GF(2^128) in 16-byte chunks). What fedpriv adds: mask
-expansion by a cryptographic generator (ChaCha20, 20 rounds, keyed with 256 bits derived by
-HKDF; Flower's ``pseudo_rand_gen`` folds its seed to 32 bits and draws from MT19937), and the
-vector layout every node masks the same way (each segment modulo its own ``2^bits``).
+Key agreement, authenticated encryption and Shamir sharing are the constructions of Flower's
+SecAgg+ (``flwr.supercore.primitives.asymmetric``, ``flwr.common.secure_aggregation.crypto``):
+ECDH on SECP384R1 with PEM-serialized keys; HKDF-SHA256 of the shared secret to a Fernet key
+(AES-CBC + HMAC-SHA256); pycryptodome's Shamir over GF(2^128), the secret padded to 16-byte
+chunks, each share prefixed by its 4-byte index. They are called here on the same libraries
+(``cryptography``, ``pycryptodome``: Flower's own dependencies) because fedpriv's core imports
+no Flower module; tests/test_secure_aggregation.py checks that each one reads and writes
+exactly what Flower's functions do. What fedpriv adds: mask expansion by a cryptographic
+generator (ChaCha20, 20 rounds, keyed with 256 bits derived by HKDF; Flower's
+``pseudo_rand_gen`` folds its seed to 32 bits and draws from MT19937), and the vector layout
+every node masks the same way (each segment modulo its own ``2^bits``).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
+from Crypto.Protocol.SecretSharing import Shamir
+from Crypto.Util.Padding import pad, unpad
+from cryptography.fernet import Fernet
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-    decrypt,
-    encrypt,
-    generate_shared_key,
-)
-from flwr.supercore.primitives.asymmetric import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    generate_key_pairs,
-    private_key_to_bytes,
-    public_key_to_bytes,
-)
 from randomgen import ChaCha  # type: ignore[import-untyped, unused-ignore]
-
-__all__ = ["Layout", "Segment", "agree", "combine_shares", "create_shares", "decrypt",
-           "encrypt", "key_pair", "mask", "pack_share", "private_key", "public_key",
-           "unpack_share"]
 
 SEED_BYTES = 32
 
 
+# ----- key agreement and encryption (Flower's constructions) ---------------------------------
 def key_pair() -> tuple[bytes, bytes]:
-    """A fresh ECDH key pair (private, public), serialized (OS entropy)."""
-    sk, pk = generate_key_pairs()
-    return private_key_to_bytes(sk), public_key_to_bytes(pk)
+    """A fresh ECDH key pair on SECP384R1 (private, public), PEM-serialized (OS entropy)."""
+    sk = ec.generate_private_key(ec.SECP384R1())
+    return (sk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()),
+            _public_bytes(sk.public_key()))
+
+
+def _public_bytes(pk: ec.EllipticCurvePublicKey) -> bytes:
+    return pk.public_bytes(serialization.Encoding.PEM,
+                           serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def private_key(data: bytes) -> ec.EllipticCurvePrivateKey:
-    return bytes_to_private_key(data)
+    return cast(ec.EllipticCurvePrivateKey,
+                serialization.load_pem_private_key(data, password=None))
 
 
 def public_key_bytes_of(sk: bytes) -> bytes:
     """The serialized public key of a serialized private key."""
-    return public_key_to_bytes(private_key(sk).public_key())
+    return _public_bytes(private_key(sk).public_key())
 
 
 def public_key(data: bytes) -> ec.EllipticCurvePublicKey:
     """A peer's public key; a ``ValueError`` if the bytes are not one."""
     try:
-        return bytes_to_public_key(data)
+        key = serialization.load_pem_public_key(data)
     except Exception as err:  # noqa: BLE001 -- whatever the parser raises on garbage
         raise ValueError(f"not a public key: {err}") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise ValueError(f"not an elliptic-curve public key: {type(key).__name__}")
+    return key
 
 
 def agree(sk: bytes, pk: bytes, purpose: bytes) -> bytes:
@@ -74,8 +78,45 @@ def agree(sk: bytes, pk: bytes, purpose: bytes) -> bytes:
 
 
 def cipher_key(sk: bytes, pk: bytes) -> bytes:
-    """The authenticated-encryption key of a pair (Flower's derivation: HKDF to Fernet)."""
-    return generate_shared_key(private_key(sk), public_key(pk))
+    """The authenticated-encryption key of a pair (Flower's ``generate_shared_key``: HKDF-SHA256
+    without salt or info, URL-safe base64 for Fernet)."""
+    shared = private_key(sk).exchange(ec.ECDH(), public_key(pk))
+    return base64.urlsafe_b64encode(
+        HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=None).derive(shared))
+
+
+def encrypt(key: bytes, plaintext: bytes) -> bytes:
+    return Fernet(key).encrypt(plaintext)
+
+
+def decrypt(key: bytes, ciphertext: bytes) -> bytes:
+    """The plaintext; ``cryptography.fernet.InvalidToken`` if the key or the text is wrong."""
+    return Fernet(key).decrypt(ciphertext)
+
+
+# ----- Shamir sharing (Flower's format) ------------------------------------------------------
+def create_shares(secret: bytes, threshold: int, num: int) -> list[bytes]:
+    """``num`` shares of ``secret``, any ``threshold`` of which rebuild it: each share is its
+    4-byte index, then one 16-byte share per 16-byte chunk of the padded secret."""
+    padded = pad(secret, 16)
+    shares = [bytearray(i.to_bytes(4, "little")) for i in range(1, num + 1)]
+    for start in range(0, len(padded), 16):
+        for index, share in Shamir.split(threshold, num, padded[start:start + 16], ssss=False):
+            shares[index - 1] += share
+    return [bytes(s) for s in shares]
+
+
+def combine_shares(shares: Sequence[bytes]) -> bytes:
+    """The secret from at least ``threshold`` shares (``ValueError`` if they do not fit)."""
+    chunks = (len(shares[0]) - 4) // 16
+    secret = bytearray()
+    for c in range(chunks):
+        parts = [(int.from_bytes(s[:4], "little"), s[4 + 16 * c:20 + 16 * c]) for s in shares]
+        secret += Shamir.combine(parts, ssss=False)
+    try:
+        return unpad(bytes(secret), 16)
+    except ValueError:
+        raise ValueError("the shares do not combine to a secret") from None
 
 
 @dataclass(frozen=True)
