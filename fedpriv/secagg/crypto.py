@@ -43,6 +43,25 @@ def key_pair() -> tuple[bytes, bytes]:
             _public_bytes(sk.public_key()))
 
 
+def key_pair_from_seed(seed: bytes) -> tuple[bytes, bytes]:
+    """The SECP384R1 key pair a 32-byte ``seed`` determines (HKDF-SHA256 to 64 bytes, reduced
+    to a scalar in [1, n - 1]; bias below 2^-128): a mask key is shared as its 32-byte seed,
+    not its 306-byte PEM encoding (Shamir sharing costs per 16-byte chunk)."""
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"a key seed has {SEED_BYTES} bytes, got {len(seed)}")
+    wide = HKDF(algorithm=hashes.SHA256(), length=64, salt=None,
+                info=b"fedpriv-secagg/mask-key").derive(seed)
+    scalar = int.from_bytes(wide, "big") % (_P384_ORDER - 1) + 1
+    sk = ec.derive_private_key(scalar, ec.SECP384R1())
+    return (sk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()),
+            _public_bytes(sk.public_key()))
+
+
+_P384_ORDER = int("ffffffffffffffffffffffffffffffffffffffffffffffffc7634d81f4372ddf"
+                  "581a0db248b0a77aecec196accc52973", 16)
+
+
 def _public_bytes(pk: ec.EllipticCurvePublicKey) -> bytes:
     return pk.public_bytes(serialization.Encoding.PEM,
                            serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -69,18 +88,21 @@ def public_key(data: bytes) -> ec.EllipticCurvePublicKey:
     return key
 
 
-def agree(sk: bytes, pk: bytes, purpose: bytes) -> bytes:
+def agree(sk: bytes | ec.EllipticCurvePrivateKey, pk: bytes, purpose: bytes) -> bytes:
     """A 32-byte secret shared by the owners of (``sk``, peer's ``pk``), one per ``purpose``:
-    HKDF-SHA256 of the ECDH secret. ``purpose`` binds it to the round and its use."""
-    shared = private_key(sk).exchange(ec.ECDH(), public_key(pk))
+    HKDF-SHA256 of the ECDH secret. ``purpose`` binds it to the round and its use. ``sk``:
+    serialized, or loaded once for many peers."""
+    key = private_key(sk) if isinstance(sk, bytes) else sk
+    shared = key.exchange(ec.ECDH(), public_key(pk))
     return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None,
                 info=b"fedpriv-secagg/" + purpose).derive(shared)
 
 
-def cipher_key(sk: bytes, pk: bytes) -> bytes:
+def cipher_key(sk: bytes | ec.EllipticCurvePrivateKey, pk: bytes) -> bytes:
     """The authenticated-encryption key of a pair (Flower's ``generate_shared_key``: HKDF-SHA256
     without salt or info, URL-safe base64 for Fernet)."""
-    shared = private_key(sk).exchange(ec.ECDH(), public_key(pk))
+    key = private_key(sk) if isinstance(sk, bytes) else sk
+    shared = key.exchange(ec.ECDH(), public_key(pk))
     return base64.urlsafe_b64encode(
         HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=None).derive(shared))
 

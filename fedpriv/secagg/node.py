@@ -192,13 +192,15 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         values.update({k: np.asarray(v).astype(np.uint64) for k, v in contrib.totals.items()})
     layout = own_layout(step, params, names)
     c_sk, c_pk = C.key_pair()
-    s_sk, s_pk = C.key_pair()
+    s_seed = secrets.token_bytes(C.SEED_BYTES)  # the mask key, shared as its seed
+    s_sk, s_pk = C.key_pair_from_seed(s_seed)
     for key in [k for k in state if k.startswith("round/")]:
         del state[key]  # a new round forgets the last one's secrets
     state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
                   "round/threshold": int(msg["threshold"]), "round/layout": json.dumps(
                       layout.to_json()), "round/metrics": json.dumps(names),
                   "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
+                  "round/s-seed": s_seed,
                   "round/s-pk": s_pk, "round/vector": layout.join(values),
                   "round/plans": json.dumps(plans)})
     return {"c-pk": c_pk, "s-pk": s_pk, "metric-names": json.dumps(names)}
@@ -227,17 +229,20 @@ def share_keys(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[
         raise RoundRefused("the server forwarded another public key for this node")
     seed = secrets.token_bytes(C.SEED_BYTES)
     seed_shares = C.create_shares(seed, t, len(u1))
-    key_shares = C.create_shares(state["round/s-sk"], t, len(u1))
-    dst, out = [], []
+    key_shares = C.create_shares(state["round/s-seed"], t, len(u1))
+    dst, out, cipher_keys = [], [], []
+    c_sk = C.private_key(state["round/c-sk"])
     for i, v in enumerate(u1):
         if v == pid:
+            cipher_keys.append(b"")
             continue
         plain = C.pack_share(pid, v, seed_shares[i], key_shares[i])
-        out.append(C.encrypt(C.cipher_key(state["round/c-sk"], c_pks[i]), plain))
+        cipher_keys.append(C.cipher_key(c_sk, c_pks[i]))
+        out.append(C.encrypt(cipher_keys[-1], plain))
         dst.append(v)
     state.update({"round/u1": u1, "round/c-pks": c_pks, "round/s-pks": s_pks,
                   "round/seed": seed, "round/own-seed-share": seed_shares[me],
-                  "round/own-key-share": key_shares[me]})
+                  "round/own-key-share": key_shares[me], "round/cipher-keys": cipher_keys})
     return {"dst": dst, "ciphertexts": out, "seed-digest": C.digest(seed)}
 
 
@@ -260,9 +265,7 @@ def collect(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str
                            f"{state['round/threshold']})")
     seeds, keys = [], []
     for v, ciphertext in zip(src, msg["ciphertexts"], strict=True):
-        i = u1.index(v)
-        plain = C.decrypt(C.cipher_key(state["round/c-sk"], state["round/c-pks"][i]),
-                          bytes(ciphertext))
+        plain = C.decrypt(state["round/cipher-keys"][u1.index(v)], bytes(ciphertext))
         seed_share, key_share = C.unpack_share(plain, v, pid)
         seeds.append(seed_share)
         keys.append(key_share)
@@ -270,10 +273,11 @@ def collect(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str
     masked = C.add(np.asarray(state["round/vector"], dtype=np.uint64),
                    C.mask(state["round/seed"], layout), layout)
     purpose = b"pair/" + state["round/id"]
+    s_sk = C.private_key(state["round/s-sk"])
     for v in src:
         pk = state["round/s-pks"][u1.index(v)]
-        masked = C.add(masked, C.mask(C.agree(state["round/s-sk"], pk, purpose), layout),
-                       layout, pair_sign(pid, v))
+        masked = C.add(masked, C.mask(C.agree(s_sk, pk, purpose), layout), layout,
+                       pair_sign(pid, v))
     state.update({"round/u2": u2, "round/held-from": src, "round/held-seed": seeds,
                   "round/held-key": keys})
     del state["round/vector"]  # the exact contribution is not kept past this stage

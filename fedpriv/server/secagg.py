@@ -257,8 +257,9 @@ class SecureRound:
             total = C.add(total, C.mask(seed, layout), layout, -1)
         purpose = b"pair/" + self.round_id
         for v in dropped:
-            sk = C.combine_shares(key_shares[v][:self.t])
-            if C.public_key_bytes_of(sk) != s_pks[u1.index(v)]:
+            sk_bytes, pk = C.key_pair_from_seed(C.combine_shares(key_shares[v][:self.t]))
+            sk = C.private_key(sk_bytes)
+            if pk != s_pks[u1.index(v)]:
                 raise SecureAggregationError(f"{self.step.label}: dropped node {v}'s mask key "
                                              "did not reconstruct (inconsistent shares)")
             for u in u3:
