@@ -369,6 +369,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         for mode, style in zip(MODES, ("-o", "--s", ":^"), strict=True):
             pts = sorted((r for r in ok if r["engine"] == engine_name and r["mode"] == mode),
                          key=lambda r: r["nodes"])
+            if not pts:  # an engine or mode not run this time: nothing to draw
+                continue
             x = [r["nodes"] for r in pts]
             a.plot(x, [r["s_per_round"] for r in pts], style, label=f"{engine_name} {mode}")
             if engine_name == "inprocess":
@@ -377,7 +379,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     a.set(xlabel="nodes", ylabel="seconds per round", xscale="log", yscale="log",
           title="time per round")
     b.set(xlabel="nodes", ylabel="MB per round (to + from nodes)", xscale="log",
-          yscale="log", title="payload bytes per round")
+          yscale="log" if b.lines else "linear", title="payload bytes per round")
     for axis in (a, b):
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=6)
@@ -416,7 +418,7 @@ def main() -> None:
     process_nodes = (args.process_nodes if args.process_nodes is not None
                      else [n for n in nodes if n <= 20])
     flower_nodes = args.flower_nodes if args.flower_nodes is not None else nodes
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the runs may change the working directory
     (out / "runs").mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
         "quick": args.quick, "nodes": nodes, "rounds": args.rounds, "dim": args.dim,
