@@ -326,7 +326,7 @@ def fill_bytes(runs: list[dict[str, Any]]) -> None:
 
 
 def fmt_bytes(x: float | None) -> str:
-    unit, size = next(((u, v) for u, v in (("MB", 2**20), ("kB", 2**10)) if (x or 0) >= v),
+    unit, size = next(((u, v) for u, v in (("MiB", 2**20), ("KiB", 2**10)) if (x or 0) >= v),
                       ("B", 1))
     return "-" if x is None else f"{x / size:.1f} {unit}" if size > 1 else f"{x:.0f} B"
 
@@ -378,7 +378,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
                        style, label=mode)
     a.set(xlabel="nodes", ylabel="seconds per round", xscale="log", yscale="log",
           title="time per round")
-    b.set(xlabel="nodes", ylabel="MB per round (to + from nodes)", xscale="log",
+    b.set(xlabel="nodes", ylabel="MiB per round (to + from nodes)", xscale="log",
           yscale="log" if b.lines else "linear", title="payload bytes per round")
     for axis in (a, b):
         if axis.get_legend_handles_labels()[0]:
