@@ -157,7 +157,8 @@ def run_inprocess(values: dict[str, Any]) -> dict[str, Any]:
                       "seconds_with_serde": row["seconds"],
                       "nodes_answered": row["nodes_answered"], **c})
     return {"wall_s": wall, "steps": steps, "num_nodes": results["num_nodes"],
-            "population_mse": results["metrics"].get("population_mse")}
+            "population_mse": (results["metrics"] or results.get("simulation_metrics") or {}).get(
+                "population_mse")}
 
 
 def free_port() -> int:
@@ -289,7 +290,8 @@ def run_engine(engine_name: str, values: dict[str, Any], nodes: int, workdir: Pa
     return {"wall_s": wall, "flower_wall_time_s": results.get("wall_time_s"),
             "num_nodes": results["num_nodes"], "peak_pss_mb": group.peak_bytes / 2**20,
             "peak_processes": group.peak_procs,
-            "population_mse": results["metrics"].get("population_mse"),
+            "population_mse": (results["metrics"] or results.get("simulation_metrics") or {}).get(
+                "population_mse"),
             "steps": [{"step": r["step"], "seconds": r["seconds"],
                        "nodes_answered": r["nodes_answered"],
                        "to": r.get("secure_bytes_to_nodes"),

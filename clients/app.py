@@ -100,8 +100,9 @@ def _answer(msg: Message, context: Context) -> Message:
         contrib = corrupted(contrib)
     metrics: dict[str, MetricRecordValues] = {
         P.KEY_NUM_USERS: int(contrib.num_users), P.KEY_NUM_CLIPPED: contrib.num_clipped,
-        P.KEY_PARTITION: pid, P.KEY_COMPUTE_S: computed - decoded,
-        P.KEY_DECODE_S: decoded - started}
+        P.KEY_PARTITION: pid}
+    if not config.noise_shares:  # a distributed node's timing could tell of its users' data
+        metrics.update({P.KEY_COMPUTE_S: computed - decoded, P.KEY_DECODE_S: decoded - started})
     for key, value in (contrib.metrics or {}).items():
         metrics[P.METRIC_PREFIX + key] = float(value)
     content = RecordDict({P.METRICS: MetricRecord(metrics)})

@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.faults import corrupted, failing_partitions
-from fedpriv.nodes import auto_num_nodes, node_step
+from fedpriv.nodes import add_contributions, auto_num_nodes, node_step, simulated_metrics
 from fedpriv.secagg.local import LocalNodes
 from fedpriv.server import NodeReply, PrivateServer
 from fedpriv.server.secagg import SecureRound
@@ -26,6 +27,7 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
     """Run every (remaining) step; nodes answer in turn. ``checkpoint_path``: save the server
     state there after every step (and resume from it when ``config.resume``)."""
     started = time.perf_counter()
+    simulated: dict[str, float] | None = None
     parts = num_partitions or auto_num_nodes(config.num_users, config.users_per_node)
     server = PrivateServer(config, parts, log=log, checkpoint_path=checkpoint_path)
     try:
@@ -34,6 +36,11 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
         while (step := server.next_step()) is not None:
             t0 = time.perf_counter()
             arrays = server.payload(step)
+            if not server.sends(step):  # a distributed run's metrics step: nodes send none
+                if step.kind == "final":
+                    simulated = simulate_metrics(server, step, arrays, parts)
+                server.record_unsent(step, t0)
+                continue
             if server.secure:
                 server.aggregate_secure(step, SecureRound(
                     local.send, step, arrays, range(parts), server.threshold, server.history(),
@@ -51,7 +58,28 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
             server.aggregate(step, replies, t0)
     finally:
         server.close()
-    return server.results(time.perf_counter() - started, runtime="in-process")
+    results = server.results(time.perf_counter() - started, runtime="in-process")
+    if simulated is not None:
+        results["simulation_metrics"] = simulated
+    return results
+
+
+def simulate_metrics(server: PrivateServer, step: Step, arrays: Mapping[str, Any],
+                     parts: int) -> dict[str, float] | None:
+    """A distributed run's final metrics as the in-process simulator measures them on its
+    nodes, for its operator (the server receives none; ``results["simulation_metrics"]``)."""
+    cls = type(server.algorithm)
+    total: UserContribution | None = None
+    for p in range(parts):
+        try:
+            part = simulated_metrics(cls, server.config, step, arrays,
+                                     cls.hosted_users(server.config, p, parts))
+        except Exception:  # noqa: BLE001 - a node failing here fails no release
+            continue
+        total = part if total is None else add_contributions(total, part)
+    if total is None or total.num_users == 0 or total.metrics is None:
+        return None
+    return server.algorithm.finalize(total.metrics, total.num_users)
 
 
 def simulated_failure(partition: int, kind: str) -> NodeReply:

@@ -199,6 +199,9 @@ class PrivateStrategy(Strategy):
         while (step := self.server.next_step()) is not None:
             number = self.server.completed + 1
             self._step, self._started = step, time.perf_counter()
+            if not self.server.sends(step):  # a distributed run's metrics step: nodes send none
+                self.server.record_unsent(step, self._started)
+                continue
             if self.server.secure:  # the server sees only the masked vectors and their sum
                 outcome = SecureRound(self._secure_send(grid), step, self.server.payload(step),
                                       sorted(self.partitions.values()), self.server.threshold,

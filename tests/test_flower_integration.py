@@ -184,7 +184,9 @@ def test_distributed_noise_shares_travel_through_flower(tmp_path, flower_env):
     assert [e["mechanism"] for e in privacy["ledger"]] == ["distributed skellam"] * 3
     assert all(e["honest_nodes"] == 4 for e in privacy["ledger"])
     assert 1.9 < privacy["epsilon"] <= 2.0
-    assert results["metrics"]["population_mse"] < 0.2 * results["metrics"]["local_only_mse"]
+    # the nodes send no exact metrics: the final step is not sent at all
+    assert results["metrics"] == {} and results["rounds"][-1]["note"].startswith("not sent")
+    assert [r["users_contributing"] for r in results["rounds"]] == [800] * 3 + [None]
     release = json.loads((tmp_path / "results.release.json").read_text())
     assert release["publishable"] is True
     assert release["privacy"]["trust"]["aggregation"] == "distributed"

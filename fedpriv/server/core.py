@@ -188,6 +188,19 @@ class PrivateServer:
             })
         return self._expected_cache[1]
 
+    def sends(self, step: Step) -> bool:
+        """Whether ``step`` goes to the nodes. A distributed or secure run sends no metrics
+        step (the final one, exact evaluations): its nodes send nothing exact about their
+        users, so its metrics are released with noise (``private-metrics``) or not at all."""
+        return not (self.config.noise_shares and step.is_final)
+
+    def record_unsent(self, step: Step, started: float) -> dict[str, Any]:
+        """Finish a step that ``sends`` keeps from the nodes: no reply, no metrics."""
+        if self.sends(step) or step != self.pending_steps()[0]:
+            raise RuntimeError(f"step {step.label} goes to the nodes or is out of order")
+        return self._finish(step, [], [], set(), Counter(self.rejections), self.bounded,
+                            started)
+
     # ----- one step --------------------------------------------------------------------------
     def aggregate(self, step: Step, replies: Sequence[NodeReply],
                   started: float) -> dict[str, Any]:
@@ -254,7 +267,17 @@ class PrivateServer:
         users = sum(a.num_users for a in accepted)
         report = step_report(step, count, self.num_partitions, users,
                              self.rejections - rejections)
-        if step.is_final:
+        if self.config.noise_shares:  # the counts are public ones (or none at all)
+            public = self.expected_users(step)
+            report["users_contributing"] = (None if any(v is None for v in public.values())
+                                            else users)
+        if not self.sends(step):
+            self.metrics = {}
+            report["users_contributing"] = None
+            report["nodes_failed"] = 0
+            report["note"] = (f"not sent: {self.config.aggregation} nodes send no exact "
+                              "metrics (private-metrics = true releases them with noise)")
+        elif step.is_final:
             # every accepted reply of a metrics step has the same metrics (ReplyChecker)
             metrics = [a.metrics for a in accepted if a.metrics is not None]
             keys = metrics[0].keys() if metrics else []
@@ -271,7 +294,8 @@ class PrivateServer:
         else:
             report.update(self._release(step, accepted, present, count))
             report["nodes_bounded"] = self.bounded - bounded
-            report["users_clipped"] = sum(a.num_clipped for a in accepted)
+            report["users_clipped"] = (None if self.config.noise_shares  # never sent
+                                       else sum(a.num_clipped for a in accepted))
         report["seconds"] = time.perf_counter() - started
         self.rounds.append(report)
         self.__dict__.pop("_steps", None)  # the algorithm's state moved: its steps may too

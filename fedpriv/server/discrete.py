@@ -240,6 +240,11 @@ def ledger_parts(step: Step, plans: Sequence[SharePlan], honest: int,
                     "noise_std": math.sqrt(p.node_variance * honest) * p.granularity
                     / population,
                     "modulus_bits": p.bits, "wrap_probability_bound": p.wrap_probability,
+                    # how far one node that breaks the protocol can move the released mean:
+                    # its ring vector can make the lifted sum any value, so the diameter
+                    # sqrt(padded dim) 2^bits g / n (the server never sees a node's exact sum)
+                    "hostile_node_l2_bound": math.sqrt(p.dim) * 2.0 ** p.bits
+                    * p.granularity / population,
                     "rho": p.rho(honest)})
     return out
 
@@ -269,6 +274,43 @@ def check_delta_slack(config: RunConfig, plan: Sequence[PlannedRelease], nodes: 
                           "delta); raise delta")
 
 
+# What the server receives in each mode (docs/concepts/trust.md has the same table).
+SERVER_VIEW: dict[str, dict[str, str]] = {
+    "central": {
+        "update": "each node's exact clipped sum (the server adds the noise)",
+        "counts": "each node's users taking part and users clipped",
+        "metrics": "each node's exact final metric sums",
+        "timing": "each node's compute and decode seconds, and when its reply arrives",
+        "errors": "a failing node's error text; which nodes answered"},
+    "distributed": {
+        "update": "each node's noisy share modulo 2^bits (its noise share added on the node)",
+        "counts": "only the public count of the node's users taking part (0 where hosting is "
+                  "not public); no clipped count",
+        "metrics": "none: metrics steps are not sent; private-metrics = true releases them "
+                   "with noise",
+        "timing": "when each node's reply arrives (no timings in the reply)",
+        "errors": "a failing node's error text; which nodes answered (one user's failure "
+                  "zeroes that user on the node and fails no node)"},
+    "secure": {
+        "update": "masked vectors and their sum: the sum of the nodes' noisy shares",
+        "counts": "only the public counts, inside the masked sum; no clipped count",
+        "metrics": "none: metrics steps are not sent; private-metrics = true releases them "
+                   "with noise",
+        "timing": "when each node's reply arrives, per protocol stage",
+        "errors": "which nodes answered each stage, and a failing node's error text"},
+}
+HOSTILE_NODE = ("not bounded by the server: a node that breaks the protocol can set each "
+                "coordinate of a part's lifted sum to any value modulo 2^bits, moving the "
+                "released mean by up to the ledger part's hostile_node_l2_bound "
+                "(sqrt(padded_dim) 2^modulus_bits granularity / n); its own users' privacy "
+                "is the node's to keep")
+HOSTILE_NODE_CENTRAL = ("bounded by the server: each node's sum is clipped to (its users) x "
+                        "clip before the noise, so a hostile node moves the released mean by "
+                        "at most 2 x its users x clip / n (its users: the public count, or "
+                        "its own claim where hosting is not public; norm_bounded_nodes counts "
+                        "the nodes it bounded)")
+
+
 def trust(config: RunConfig, nodes: int) -> dict[str, Any]:
     """Who the release's guarantee trusts, and the noise it was drawn with."""
     if config.noise_shares:
@@ -284,10 +326,13 @@ def trust(config: RunConfig, nodes: int) -> dict[str, Any]:
             "collusion_threshold": config.collusion_threshold,
             "honest_nodes_guaranteed": honest_minimum(config, nodes),
             **({"secure_threshold": threshold(config, nodes)} if secure else {}),
+            "server_receives": SERVER_VIEW[config.aggregation],
+            "hostile_node": HOSTILE_NODE,
             "noise": ("skellam shares from each node's ChaCha20 stream keyed by the OS (numpy's "
                       "floating-point Poisson sampler on it: integer-valued, its approximation "
                       "is not in the accounting)")}
     return {"aggregation": "central", "trusted": "the server (it adds the noise)",
+            "server_receives": SERVER_VIEW["central"], "hostile_node": HOSTILE_NODE_CENTRAL,
             "noise": ("discrete gaussian on a power-of-two grid, exact sampler, ChaCha20 seeded "
                       "by the OS" if config.secure_noise else
                       "floating-point gaussian from numpy's seeded PCG64 (research runs)")}

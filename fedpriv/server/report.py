@@ -119,9 +119,38 @@ def silent_run(results: Mapping[str, Any]) -> str | None:
 def summary_lines(results: Mapping[str, Any]) -> list[str]:
     """A few lines on a finished run: what ran, its quality, its privacy, its wall time."""
     m, p = results["metrics"], results["privacy"]
-    if not m:  # no user was evaluated (every node failed the final step)
+    simulated = results.get("simulation_metrics") or {}
+    shares = p.get("trust", {}).get("aggregation", "central") != "central"
+    if not m and simulated:
+        quality = (quality_line(simulated) + "\n  (measured by the in-process simulator on "
+                   "the nodes: the server received no metrics)")
+    elif not m and shares:
+        quality = (f"  no exact metrics: {p['trust']['aggregation']} nodes send none "
+                   "(private-metrics = true releases them with noise)")
+    elif not m:  # no user was evaluated (every node failed the final step)
         quality = "  no metrics: no node answered the final step (see the rejected replies)"
-    elif "transfer_risk" in m:  # meta-learning: risk of fresh tasks
+    else:
+        quality = quality_line(m)
+    lines = [
+        f"fedpriv: {results['algorithm']} on {results['num_users']} users "
+        f"({results['num_nodes']} nodes, {results['runtime']})",
+        quality,
+        privacy_line(p),
+        f"  wall time {results['wall_time_s']:.1f}s",
+    ]
+    for name, m in results.get("private_metrics", {}).items():
+        exact = ("none on the server" if m["exact_clipped"] is None
+                 else f"{m['exact_clipped']:.4g}, operator only")
+        lines.append(f"  private {name} (released): {m['value']:.4g} (noise std "
+                     f"{m['noise_std']:.2g}; exact clipped {exact})")
+    if results["rejections"]:
+        lines.append(f"  rejected node replies: {results['rejections']}")
+    return lines
+
+
+def quality_line(m: Mapping[str, float]) -> str:
+    """The quality line of the summary from a run's exact metrics."""
+    if "transfer_risk" in m:  # meta-learning: risk of fresh tasks
         quality = (f"  transfer risk {m['transfer_risk']:.4g} on {m['fresh_tasks']:.0f} fresh tasks"
                    f"   local training {m['local_risk']:.4g}")
         if "cluster_purity" in m:
@@ -137,20 +166,7 @@ def summary_lines(results: Mapping[str, Any]) -> list[str]:
         quality = (f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
                    f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
                    f"test MSE {m.get('test_mse', float('nan')):.4g}")
-    lines = [
-        f"fedpriv: {results['algorithm']} on {results['num_users']} users "
-        f"({results['num_nodes']} nodes, {results['runtime']})",
-        quality,
-        privacy_line(p),
-        f"  wall time {results['wall_time_s']:.1f}s",
-    ]
-    for name, m in results.get("private_metrics", {}).items():
-        lines.append(f"  private {name} (released): {m['value']:.4g} (noise std "
-                     f"{m['noise_std']:.2g}; exact clipped {m['exact_clipped']:.4g}, operator "
-                     "only)")
-    if results["rejections"]:
-        lines.append(f"  rejected node replies: {results['rejections']}")
-    return lines
+    return quality
 
 
 def privacy_line(p: Mapping[str, Any]) -> str:
