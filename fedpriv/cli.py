@@ -6,7 +6,7 @@
                 [--engine inprocess|flower]
     fedpriv tune CONFIG.toml [--set key=value ...] [--out DIR] [--engine inprocess|flower]
     fedpriv audit [CONFIG.toml] [--set key=value ...] [--trials N] [--alpha A] [--noise-scale S]
-    fedpriv audit CONFIG.toml --neighbours [--user ID] [--releases N] [--nodes N]
+    fedpriv audit CONFIG.toml --neighbours [--user ID] [--releases N] [--nodes N] [--copy]
     fedpriv algorithms [NAME] [--verbose | --markdown | --flwr-config]
     fedpriv deploy certs|compose|commands|health|register|submit|setup ...
 
@@ -245,8 +245,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_neighbours(args: argparse.Namespace) -> int:
-    """``fedpriv audit --neighbours``: the run's first releases on its data file and on
-    neighbours that differ in one user, each at most the stated sensitivity apart."""
+    """``fedpriv audit --neighbours``: the run's releases on its data file and on neighbours
+    that differ in one user, each at most the stated sensitivity apart, and nothing else the
+    server sees or publishes different (``fedpriv.neighbours``)."""
     import tempfile
 
     from fedpriv.algorithms.deep.params import FILE_SOURCES, DataKeys
@@ -264,7 +265,8 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
                               "npz, csv or parquet); the synthetic problems and the built-in "
                               "datasets are covered by the project's tests "
                               "(tests/test_neighbours.py)")
-        for bad, message in ((args.releases < 1, f"--releases: {args.releases}; at least 1"),
+        for bad, message in ((args.releases is not None and args.releases < 1,
+                              f"--releases: {args.releases}; at least 1"),
                              (args.nodes < 1, f"--nodes: {args.nodes}; at least 1")):
             if bad:
                 raise ConfigError(message)
@@ -280,24 +282,32 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"fedpriv: cannot audit: {err}", file=sys.stderr)
             return 2
+        which = ("every release" if args.releases is None
+                 else f"the first {args.releases} releases")
         print(f"fedpriv audit --neighbours: {config.algorithm} on {config.data_file}: "
-              f"{len(neighbours)} neighbours, the first {args.releases} releases each "
-              f"({args.nodes} nodes, in-process)", flush=True)
+              f"{len(neighbours)} neighbours, {which} each ({args.nodes} nodes, in-process, "
+              "the nodes' and the server's noise repeated on each neighbour)", flush=True)
         checks = []
         for i, neighbour in enumerate(neighbours, 1):
             found = check_neighbour(base, neighbour, args.nodes, args.releases,
                                     "float32" if config.algorithm.startswith("deep-")
-                                    else "float64")
+                                    else "float64", ("own", "copy") if args.copy else ("own",))
             checks += found
             worst = max((c.ratio for c in found), default=0.0)
             print(f"  [{i}/{len(neighbours)}] {neighbour.name}: worst distance / bound "
                   f"{worst:.3f}", flush=True)
     print("\n".join(table(checks)))
-    failed = [c for c in checks if not c.ok]
-    print(f"fedpriv audit --neighbours: {len(checks) - len(failed)} of {len(checks)} "
+    released = [c for c in checks if not c.compared]
+    failed = [c for c in released if not c.ok]
+    compared = [c for c in checks if c.compared]
+    differ = [c for c in compared if not c.ok]
+    print(f"fedpriv audit --neighbours: {len(released) - len(failed)} of {len(released)} "
           "releases within the stated sensitivity"
           + ("" if not failed else f"; {len(failed)} EXCEED it"))
-    return 1 if failed or not checks else 0
+    print(f"fedpriv audit --neighbours: {len(compared) - len(differ)} of {len(compared)} "
+          "comparisons of the server's view, broadcast, ledger and release document identical"
+          + ("" if not differ else f"; {len(differ)} DIFFER"))
+    return 1 if failed or differ or not released else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,16 +365,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multiply the calibrated noise (below 1: a deliberately broken "
                          "release, to see the audit catch it)")
     au.add_argument("--neighbours", action="store_true",
-                    help="instead: run the first releases on your data file and on copies "
+                    help="instead: run the releases on your data file and on copies "
                          "that differ in one user (removed, added, renamed, huge/nan "
-                         "features, few rows, a bad label), the same seeds, and check each "
-                         "release moved at most the stated sensitivity")
+                         "features, few rows, a bad label), the same seeds and noise, and "
+                         "check each release moved at most the stated sensitivity and "
+                         "nothing else the server sees or publishes differs")
     au.add_argument("--user", help="--neighbours: the user changed (its id; default: the "
                                    "middle one)")
-    au.add_argument("--releases", type=int, default=2,
-                    help="--neighbours: releases compared per neighbour (default 2)")
+    au.add_argument("--releases", type=int, default=None,
+                    help="--neighbours: compare only the first N releases per neighbour "
+                         "(default: every release, the private evaluation's included)")
     au.add_argument("--nodes", type=int, default=2,
                     help="--neighbours: nodes the users are spread over (default 2)")
+    au.add_argument("--copy", action="store_true",
+                    help="--neighbours: also judge each release on a copy of D's server (the "
+                         "earlier, weaker judgement; blind to state the server keeps)")
     au.add_argument("--work", help="--neighbours: folder for the neighbour files (default: "
                                    "a temporary folder, removed after)")
     au.set_defaults(func=cmd_audit)
