@@ -10,12 +10,13 @@ read. A reply that is not a finite update of the released keys' shapes is *rejec
 with its reason, in the operator report) and contributes nothing; the run goes on.
 
 A node hosting several users sends ``sum_u clip(delta_u, C)`` itself with its count of users in
-the metric ``fedpriv-users`` (``fedpriv_flwr.users.user_sum_reply``); the server checks the sum's
-norm against ``k C`` (a node cannot exceed what ``k`` clipped users can move) and rejects it
-otherwise. The per-user sensitivity is then the same ``C`` (each user is clipped on its node). If
-a node clips its sum instead of each user, one user can move that clipped sum by up to ``2 C``:
-state ``user_sensitivity_factor = 2`` to the strategy (the node then clips its sum to ``C``,
-and the server checks the sum against ``C``).
+the metric ``fedpriv-users`` (``fedpriv_flwr.users.user_sum_reply``: a user whose training or
+model fails adds a zero update and still counts, so one user never costs its node's reply); the
+server checks the sum's norm against ``k C`` (a node cannot exceed what ``k`` clipped users can
+move) and rejects it otherwise. The per-user sensitivity is then the same ``C`` (each user is
+clipped on its node). If a node clips its sum instead of each user, one user can move that
+clipped sum by up to ``2 C``: state ``user_sensitivity_factor = 2`` to the strategy (the node
+then clips its sum to ``C``, and the server checks the sum against ``C``).
 """
 
 from __future__ import annotations

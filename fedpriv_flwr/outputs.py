@@ -24,6 +24,7 @@ OPERATOR = ("fedpriv OPERATOR REPORT (Flower app): exact counts, exact client me
             "release file beside it ({release}).")
 RELEASE = ("fedpriv RELEASE (Flower app): what may leave the server: the public plan, the "
            "privacy ledger, the adaptive clip and the noisy private metrics; see `publishable`.")
+DISCRETE = "discrete gaussian on a power-of-two grid (ChaCha20 keyed by the OS)"
 RELEASE_ROW_KEYS = ("round", "epsilon_spent", "clip_norm", "private_metrics")
 
 
@@ -33,12 +34,15 @@ def release_path(results_path: str | os.PathLike[str]) -> Path:
 
 
 def publishable(secure_noise: bool, ledger: list[dict[str, Any]]) -> tuple[bool, str]:
-    """Whether the release may be published, and if not, why (seeded noise can be regenerated
-    from the seed the operator report keeps)."""
+    """Whether the release may be published, and if not, why: only ``secure_noise`` draws
+    publishable noise (exact discrete Gaussian noise on a grid from an OS-keyed ChaCha20 stream,
+    ``fedpriv_flwr.grid``); seeded float64 noise can be regenerated from the seed the operator
+    report keeps, and floating-point Gaussian samples leak through their gaps."""
     if ledger and not secure_noise:
-        return False, ("the noise and the Poisson sample are drawn from the seed the operator "
-                       "report records: anyone with it can regenerate the noise. Rerun with "
-                       "secure_noise=True to publish")
+        return False, ("seeded floating-point noise: the noise and the Poisson sample are drawn "
+                       "from the seed the operator report records (anyone with it can "
+                       "regenerate the noise), as float64 Gaussians. Rerun with "
+                       "secure_noise=True (exact discrete Gaussian noise on a grid) to publish")
     return True, ""
 
 
@@ -54,8 +58,11 @@ def release_document(plan: Mapping[str, Any], strategy: str, secure_noise: bool,
         "strategy": strategy,
         "trusted": "the server (central DP: it sees each node's clipped update)",
         "plan": dict(plan),
-        "privacy": {"epsilon": epsilon, "delta": plan["delta"], "accountant": "pld",
-                    "noise": "os-entropy" if secure_noise else "seeded", "ledger": ledger},
+        "privacy": {"epsilon": epsilon, "delta": plan["delta"],
+                    "accountant": "rdp-int" if secure_noise else "pld",
+                    "noise": "os-entropy" if secure_noise else "seeded",
+                    "mechanism": (DISCRETE if secure_noise else "float64 gaussian"),
+                    "ledger": ledger},
         "rounds": [{k: r[k] for k in RELEASE_ROW_KEYS if k in r} for r in rows],
     })
     return doc

@@ -2,7 +2,8 @@
 
 ``PrivatePlan`` holds what the user states (target (epsilon, delta), rounds, population, clip,
 sampling, adaptive clipping, private metrics) and calibrates one noise multiplier per kind of
-release with fedpriv's PLD accounting (``fedpriv.privacy.accounting``), so the whole run spends
+release with fedpriv's PLD accounting (``fedpriv.privacy.accounting``; with ``secure_noise``, the
+integer-order RDP accounting of discrete noise, ``fedpriv_flwr.grid``), so the whole run spends
 at most the target: ``num_rounds`` training releases (Poisson-sampled at ``sampling_rate``) and,
 with private metrics, one evaluation release per evaluated round, sharing the budget by weights
 (``metrics_budget_fraction`` of the privacy loss goes to the metrics). Nothing here imports Flower.
@@ -17,6 +18,7 @@ from typing import Any
 
 from fedpriv.config import NEIGHBOURING_RELATIONS
 from fedpriv.privacy.accounting import (
+    DISCRETE_ACCOUNTANT,
     Accountant,
     InfeasiblePlanError,
     PlannedRelease,
@@ -55,8 +57,9 @@ class PrivatePlan:
     metrics_budget_fraction: float = 0.1
     evaluate_rounds: tuple[int, ...] = ()
     user_sensitivity_factor: float = 1.0
+    secure_noise: bool = False  # discrete noise on a grid (fedpriv_flwr.grid), RDP-accounted
     multipliers: dict[str, float] = field(init=False, default_factory=dict)
-    projected_epsilon: float = field(init=False, default=0.0)  # the whole plan's, by PLD
+    projected_epsilon: float = field(init=False, default=0.0)  # the whole plan's
 
     def __post_init__(self) -> None:
         self._check()
@@ -88,6 +91,10 @@ class PrivatePlan:
             raise bad("noise_multiplier", f"must be positive, got {self.noise_multiplier!r}")
         if not 0 < self.sampling_rate <= 1:
             raise bad("sampling_rate", f"must lie in (0, 1], got {self.sampling_rate!r}")
+        if self.secure_noise and self.sampling_rate < 1:
+            raise bad("sampling_rate", f"secure_noise cannot use Poisson sampling (rate "
+                      f"{self.sampling_rate:g}): the discrete Gaussian's zCDP bound is accounted "
+                      "without amplification; use sampling_rate = 1")
         if self.sampling_rate * self.num_users < 1:
             raise bad("sampling_rate", f"an expected cohort of {self.sampling_rate} x "
                       f"{self.num_users} users is below one user")
@@ -141,19 +148,24 @@ class PrivatePlan:
                 if len(plan) > 1:  # metrics with a fixed training noise: give them z too
                     values.append(self.noise_multiplier)
             else:
-                values = calibrate_gaussian_plan(plan, self.epsilon, self.delta, "pld",
+                values = calibrate_gaussian_plan(plan, self.epsilon, self.delta, self.kind,
                                                  self.relation)
         except InfeasiblePlanError as err:
             raise PlanError(f"epsilon: no noise level meets the target with {self.num_rounds} "
                             f"rounds at sampling rate {self.sampling_rate:g}: {err}. Raise "
                             "epsilon, or lower num_rounds / sampling_rate") from None
         multipliers = {r.name: float(v) for r, v in zip(plan, values, strict=True)}
-        spent = plan_epsilon(plan, values, self.delta, "pld", self.relation)
+        spent = plan_epsilon(plan, values, self.delta, self.kind, self.relation)
         if self.ceiling is not None and spent > self.ceiling * (1 + 1e-9):
             raise PlanError(f"max_epsilon: the plan spends epsilon {spent:.6g}, above "
                             f"{self.ceiling:g}; raise noise_multiplier or max_epsilon")
         object.__setattr__(self, "projected_epsilon", spent)
         return multipliers
+
+    @property
+    def kind(self) -> str:
+        """The accountant: PLD, or integer-order RDP for discrete noise (``secure_noise``)."""
+        return DISCRETE_ACCOUNTANT if self.secure_noise else "pld"
 
     @property
     def ceiling(self) -> float | None:
@@ -189,7 +201,7 @@ class PrivatePlan:
         return multiplier * mean_sensitivity(bound, 1, self.relation) / population
 
     def accountant(self) -> Accountant:
-        return Accountant("pld", self.relation, self.delta)
+        return Accountant(self.kind, self.relation, self.delta)
 
     def public(self) -> dict[str, Any]:
         """The plan as it may be published (no seeds, no paths)."""
@@ -200,7 +212,8 @@ class PrivatePlan:
                 "clip_lr": self.clip_lr if self.clip_quantile else None,
                 "clip_count_share": self.clip_count_share if self.clip_quantile else None,
                 "max_epsilon": self.max_epsilon, "neighbouring_relation": self.relation,
-                "accountant": "pld (dp-accounting)",
+                "accountant": ("rdp at integer orders (dp-accounting; discrete noise)"
+                               if self.secure_noise else "pld (dp-accounting)"),
                 "private_metrics": dict(self.private_metrics),
                 "metrics_budget_fraction": (self.metrics_budget_fraction
                                             if self.private_metrics else None),

@@ -11,7 +11,9 @@ over the expected cohort (``fedpriv_flwr.aggregate``: the sensitivity argument),
 inner strategy that one noisy mean as its only reply, so FedAvg, FedAvgM, FedProx and the FedOpt
 family (FedAdam, FedYogi, FedAdagrad) apply their own server step to it (post-processing). The
 noise multiplier is calibrated before round 1 to the target (epsilon, delta) with fedpriv's PLD
-accounting (``fedpriv_flwr.plan``); each release is composed into fedpriv's accountant and the
+accounting (``fedpriv_flwr.plan``; ``secure_noise=True``: exact discrete Gaussian noise on a
+power-of-two grid from an OS-keyed ChaCha20 stream, RDP-accounted, ``fedpriv_flwr.grid``, the only
+publishable noise); each release is composed into fedpriv's accountant and the
 run stops before a release over the ceiling. Adaptive clipping (Andrew et al. 2021) releases the
 count of unclipped users through the same Gaussian, accounted. Evaluation metrics are exact and
 go to the operator report only, unless declared private (then each user's value is clipped to
@@ -40,6 +42,8 @@ from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedpriv import checkpoint
+from fedpriv.privacy.accounting import mean_sensitivity
+from fedpriv.privacy.discrete import CryptoRandom
 from fedpriv.privacy.mechanisms import adapted_clip
 from fedpriv.randomness import server_generator
 from fedpriv_flwr.aggregate import (
@@ -52,6 +56,7 @@ from fedpriv_flwr.aggregate import (
     reply_update,
 )
 from fedpriv_flwr.checks import check_inner_strategy, personal_of
+from fedpriv_flwr.grid import noisy_mean_on_grid
 from fedpriv_flwr.outputs import release_document, write_outputs
 from fedpriv_flwr.plan import EVALUATE, ROUND, UNCLIPPED_PART, PrivatePlan, evaluate_rounds
 
@@ -70,8 +75,10 @@ class PrivateStrategy(Strategy):
     without replacement); ``clip_quantile``: adaptive clipping; ``private_metrics``: metric name
     -> bound of each user's value; ``personal_layers``: a regular expression of the layers the
     nodes keep (``fedpriv_flwr.personal``): never expected from nodes, never updated;
-    ``secure_noise``: noise and sample from OS entropy (a publishable release), else from
-    ``seed``; ``checkpoint_path`` and ``resume``: continue a stopped run.
+    ``secure_noise``: exact discrete Gaussian noise on a grid from a cryptographic stream keyed
+    by the OS (``fedpriv_flwr.grid``; a publishable release; needs ``sampling_rate=1``), else
+    float64 Gaussian noise and the sample from ``seed`` (not publishable); ``checkpoint_path``
+    and ``resume``: continue a stopped run.
     """
 
     def __init__(self, strategy: Strategy, *, num_users: int, num_rounds: int,
@@ -109,7 +116,7 @@ class PrivateStrategy(Strategy):
             max_epsilon=max_epsilon, relation=relation, private_metrics=dict(
                 private_metrics or {}), metrics_budget_fraction=metrics_budget_fraction,
             evaluate_rounds=evaluate_rounds(num_rounds, evaluate_every),
-            user_sensitivity_factor=user_sensitivity_factor)
+            user_sensitivity_factor=user_sensitivity_factor, secure_noise=secure_noise)
         self.personal_pattern = personal_layers
         self.multi_user_nodes = multi_user_nodes
         self.secure_noise, self.seed = secure_noise, seed
@@ -136,7 +143,8 @@ class PrivateStrategy(Strategy):
     # ----- Flower's Strategy -----------------------------------------------------------------
     def summary(self) -> None:
         p = self.plan
-        log(INFO, "\t├──> fedpriv user-level DP (PLD accounting):")
+        log(INFO, "\t├──> fedpriv user-level DP (%s):", "integer-order RDP accounting, "
+            "discrete noise" if self.secure_noise else "PLD accounting")
         log(INFO, "\t│\t├── target epsilon=%s delta=%g over %d rounds, projected epsilon=%.4f",
             p.epsilon, p.delta, p.num_rounds, p.projected_epsilon)
         log(INFO, "\t│\t├── noise multiplier(s) %s, clip %g%s, sampling rate %g",
@@ -233,7 +241,7 @@ class PrivateStrategy(Strategy):
             for name, value in metrics.items():
                 if name in (USERS_KEY, self._key("weighted_by_key", "num-examples")):
                     continue
-                if isinstance(value, (int, float)) and math.isfinite(value):
+                if isinstance(value, (int, float)) and _finite(value):
                     bound = self.plan.private_metrics.get(name)
                     # private metrics: each user's value clipped to [0, bound]
                     v = (min(max(float(value), 0.0), bound) if bound is not None
@@ -278,8 +286,9 @@ class PrivateStrategy(Strategy):
                                evaluate_config, evaluate_fn)
         report, release = self._write()
         spent = self.accountant.epsilon()
+        kind = "RDP accountant, discrete noise" if self.secure_noise else "PLD accountant"
         line = (f"fedpriv: epsilon spent = {spent:.4f} at delta = {self.plan.delta:g} "
-                f"(PLD accountant, {len(self.accountant.ledger)} releases)")
+                f"({kind}, {len(self.accountant.ledger)} releases)")
         for text in (line, f"fedpriv: operator report (exact, not private; do not publish): "
                      f"{report}", f"fedpriv: release (what may leave the server): {release}"):
             log(INFO, text)  # Flower's log: what `flwr run --stream` and `flwr log` show
@@ -324,12 +333,11 @@ class PrivateStrategy(Strategy):
         cohort = p.expected_cohort
         noisy, parts = [], []
         for name, bound, z_part in p.round_parts(self.clip):
-            std = p.std(bound, z_part, cohort)
             exact = (sums.total if name != UNCLIPPED_PART
                      else np.array([sums.unclipped - sums.users / 2.0]))
-            noisy.append(noisy_mean(exact, cohort, std, self._noise_rng()))
-            parts.append({"name": name, "noise_multiplier": z_part, "noise_std": std,
-                          "l2_sensitivity": std / z_part})
+            value, part = self._noisy_part(name, exact, cohort, bound, z_part)
+            noisy.append(value)
+            parts.append(part)
         spent = self.accountant.record(f"{ROUND} {r}", z, parts,
                                        sampling_rate=p.sampling_rate)
         self._guard(spent)
@@ -342,14 +350,12 @@ class PrivateStrategy(Strategy):
         p = self.plan
         out, parts = {}, []
         for name, bound, z_part in p.metric_parts():
-            std = p.std(bound, z_part, p.num_users)
             # the mean over the declared population: no rescale by how many answered (that
             # count would tell whether one user took part); a silent node counts as 0
-            value = noisy_mean(np.array([exact.get(name, 0.0)]), p.num_users, std,
-                               self._noise_rng())[0]
-            out[name] = float(value)
-            parts.append({"name": name, "noise_multiplier": z_part, "noise_std": std,
-                          "l2_sensitivity": std / z_part})
+            value, part = self._noisy_part(name, np.array([exact.get(name, 0.0)]),
+                                           p.num_users, bound, z_part)
+            out[name] = float(value[0])
+            parts.append(part)
         spent = self.accountant.record(f"{EVALUATE} {r}", p.multipliers[EVALUATE], parts)
         self._guard(spent)
         return out
@@ -360,11 +366,24 @@ class PrivateStrategy(Strategy):
             raise PrivacyBudgetExhausted(f"epsilon spent {spent:.6g} would exceed the ceiling "
                                          f"{ceiling:g}; the release was not published")
 
-    def _noise_rng(self) -> np.random.Generator:
+    def _noisy_part(self, name: str, exact: np.ndarray, denominator: float, bound: float,
+                    z_part: float) -> tuple[np.ndarray, dict[str, Any]]:
+        """One part's noisy mean and its ledger entry: seeded float64 Gaussian noise, or with
+        ``secure_noise`` the exact sum on a grid plus exact discrete Gaussian noise."""
         index, self.releases = self.releases, self.releases + 1
         if self.secure_noise:
-            return np.random.default_rng(np.random.SeedSequence())
-        return server_generator(self.seed, index)
+            sensitivity = mean_sensitivity(bound, 1, self.plan.relation)  # of the sum
+            value, entry = noisy_mean_on_grid(exact, denominator, z_part, sensitivity,
+                                              self._crypto_stream(index))
+            return value, {"name": name, **entry}
+        std = self.plan.std(bound, z_part, denominator)
+        return (noisy_mean(exact, denominator, std, server_generator(self.seed, index)),
+                {"name": name, "noise_multiplier": z_part, "noise_std": std,
+                 "l2_sensitivity": std / z_part})
+
+    def _crypto_stream(self, index: int) -> CryptoRandom:
+        """A fresh ChaCha20 key from the OS for each part (neighbour tests seed it)."""
+        return CryptoRandom()
 
     def _rng(self, stream: int, index: int) -> np.random.Generator:
         if self.secure_noise:
@@ -460,9 +479,17 @@ class PrivateStrategy(Strategy):
 def _count(metrics: MetricRecord, key: str, default: int = 0) -> int:
     value = metrics.get(key, default)
     if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value != int(value)):
+            or not _finite(value) or value != int(value)):
         raise RejectedReply(f"{key} must be a whole number, got {value!r}")
     return int(value)
+
+
+def _finite(value: int | float) -> bool:
+    """A number float64 holds, finite (an int beyond it is not, rather than an error)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 __all__ = ["PrivateStrategy"]
