@@ -6,11 +6,12 @@ on each block and adds the blocks' sums (every contribution and final metric is 
 users, so the result is the same up to float rounding). The users' data comes from the
 process's cache (``fedpriv.data.cache``).
 
-A user's failure costs only that user: where a block's user step raises, the block is split in
-halves until the users whose own step raises are found; each of those takes part with a zero
-contribution (``log2(block)`` extra passes per failing user). Where every user of the node
-fails and the algorithm's step over no user fails too, the error is not the users' data (a bad
-broadcast, a broken model): the node fails.
+A user's failure costs only that user: where a block's user step raises, or returns a sum or
+metric that is not finite (a loss that overflows), the block is split in halves until the
+users whose own step fails so are found; each of those takes part with a zero contribution
+(``log2(block)`` extra passes per failing user). Where every user of the node fails and the
+algorithm's step over no user fails too, the error is not the users' data (a bad broadcast, a
+broken model): the node fails.
 
 What leaves the node in a distributed or secure run (``public_reply``): the noisy ring vectors
 and nothing exact about its users. Its user count is the public one (hosting and participation
@@ -115,11 +116,15 @@ def _users_step(algorithm: type[Algorithm[Any]], config: RunConfig, step: Step,
 def isolated_step(algorithm: type[Algorithm[Any]], config: RunConfig, step: Step,
                   arrays: Mapping[str, np.ndarray], users: np.ndarray,
                   failed: list[Exception]) -> UserContribution | None:
-    """``user_step`` of ``users``; where it raises, the halves' steps, down to single users:
-    each user whose own step raises is appended to ``failed`` (it takes part with zero sums
-    and metrics). None: every user of ``users`` failed."""
+    """``user_step`` of ``users``; where it raises or returns a value that is not finite, the
+    halves' steps, down to single users: each user whose own step fails so is appended to
+    ``failed`` (it takes part with zero sums and metrics). None: every user of ``users``
+    failed."""
     try:
-        return algorithm.user_step(config, step, arrays, users)
+        contrib = algorithm.user_step(config, step, arrays, users)
+        if finite(contrib):
+            return contrib
+        raise FloatingPointError("a sum or metric is not finite")
     except Exception as err:  # noqa: BLE001 - one user's data may fail the step in any way
         if len(users) == 1:
             failed.append(err)
@@ -129,6 +134,16 @@ def isolated_step(algorithm: type[Algorithm[Any]], config: RunConfig, step: Step
              isolated_step(algorithm, config, step, arrays, users[half:], failed)]
     done = [c for c in parts if c is not None]
     return None if not done else done[0] if len(done) == 1 else add_contributions(*done)
+
+
+def finite(contrib: UserContribution) -> bool:
+    """Whether every sum and metric of ``contrib`` is a finite number."""
+    try:
+        return (all(bool(np.all(np.isfinite(np.asarray(v, dtype=np.float64))))
+                    for v in contrib.totals.values())
+                and all(np.isfinite(float(v)) for v in (contrib.metrics or {}).values()))
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def add_contributions(a: UserContribution, b: UserContribution) -> UserContribution:

@@ -118,3 +118,21 @@ def test_a_release_with_a_fixed_multiplier_keeps_it_and_the_rest_fills_the_targe
     with pytest.raises(InfeasiblePlanError, match="fixed noise .*eval.* alone spend"):
         calibrate_gaussian_plan([PlannedRelease("round", 1.0),
                                  PlannedRelease("eval", 1.0, multiplier=0.5)], eps, delta)
+
+
+def test_a_zcdp_release_of_disjoint_groups_charges_each_group_its_own():
+    """Distributed noise with disjoint user groups (priv-altmin): a release of group g's users
+    is charged to group g alone, as the Gaussian releases of a central run are."""
+    from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, Accountant
+
+    by_group = Accountant(DISCRETE_ACCOUNTANT, "add-remove", 1e-5)
+    common = Accountant(DISCRETE_ACCOUNTANT, "add-remove", 1e-5)
+    one = Accountant(DISCRETE_ACCOUNTANT, "add-remove", 1e-5)
+    for g in (0, 1, 0, 1):
+        by_group.record_zcdp(f"round-{g}", 0.05, {}, groups=[g])
+        common.record_zcdp(f"round-{g}", 0.05, {})
+    for _ in range(2):  # what one group's users took part in
+        one.record_zcdp("round", 0.05, {})
+    assert by_group.epsilon() == pytest.approx(one.epsilon(), rel=1e-12)
+    assert by_group.epsilon() < common.epsilon()
+    assert [e["user_group"] for e in by_group.ledger] == [0, 1, 0, 1]

@@ -469,3 +469,19 @@ def test_a_stopped_secure_run_resumes_with_the_uninterrupted_runs_ledger(
     assert [r["step"] for r in resumed["rounds"]] == [r["step"] for r in whole["rounds"]]
     assert resumed["metrics"] == whole["metrics"] == {}
     assert resumed["simulation_metrics"].keys() == whole["simulation_metrics"].keys()
+
+
+def test_disjoint_user_groups_are_charged_their_own_releases_by_server_and_nodes():
+    """priv-altmin's rounds each use one group of users: the server's ledger charges each
+    group its own releases, and the nodes' budget check agrees (it refused round-2 when it
+    charged every release to every user)."""
+    settings = dict(algorithm="priv-altmin", num_users=600, users_per_node=100, rounds=3,
+                    user_groups=3)
+    runs = {mode: quiet(make_config(aggregation=mode, **settings))
+            for mode in ("distributed", "secure")}
+    for results in runs.values():
+        ledger = results["privacy"]["ledger"]
+        assert [e["user_group"] for e in ledger] == [None, 0, 1, 2]
+        assert results["rejections"] == {}
+        assert results["privacy"]["epsilon"] <= 2.0 * (1 + 1e-9)
+    assert runs["secure"]["privacy"]["epsilon"] == runs["distributed"]["privacy"]["epsilon"]

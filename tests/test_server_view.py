@@ -187,3 +187,37 @@ def test_a_hostile_distributed_node_moves_the_release_within_the_stated_bound(mo
     users_bound = 2 * 100 * config.clip_norm / config.num_users  # what its 100 users could
     assert moved > 2 * users_bound > 100 * part["l2_sensitivity"]
     assert moved <= part["hostile_node_l2_bound"]
+
+
+def test_a_user_whose_final_metric_overflows_costs_only_that_user(monkeypatch):
+    """A loss that overflows for one user (huge features): the node's metric sums are those of
+    its other users, and the server accepts the node's reply."""
+    config = make_config(aggregation="central")
+    cls = algorithm_for(config)
+    sent: dict[str, Any] = {}
+    payload = PrivateServer.payload
+
+    def spy(self: PrivateServer, step: Any) -> Any:
+        sent[step.label] = (step, payload(self, step))
+        return sent[step.label][1]
+
+    monkeypatch.setattr(PrivateServer, "payload", spy)
+    quiet(config)  # the final step's broadcast after the run's own releases
+    final, arrays = sent["final"]
+    hosted = cls.hosted_users(config, 0, 10)
+    step_of = cls.user_step
+    without = node_step(cls, config, final, arrays, np.setdiff1d(hosted, [hosted[3]]))
+
+    def user_step(config: Any, step: Any, arrays: Any, user_ids: np.ndarray) -> Any:
+        contrib = step_of(config, step, arrays, user_ids)
+        if int(hosted[3]) in {int(u) for u in user_ids}:
+            metrics = dict.fromkeys(contrib.metrics, float("inf"))
+            return UserContribution(contrib.totals, contrib.num_users, 0, metrics)
+        return contrib
+
+    monkeypatch.setattr(cls, "user_step", staticmethod(user_step))
+    got = node_step(cls, config, final, arrays, hosted)
+    assert got.num_users == len(hosted)
+    assert got.metrics.keys() == without.metrics.keys()
+    for name, value in without.metrics.items():
+        assert got.metrics[name] == pytest.approx(value, rel=1e-12, abs=1e-12)

@@ -432,17 +432,31 @@ class Accountant:
         self.ledger.append(entry)
         return spent
 
-    def record_zcdp(self, name: str, rho: float, details: Mapping[str, Any]) -> float:
-        """Compose one rho-zCDP release that every user takes part in (discrete noise: the
-        distributed Skellam sum, ``skellam_rho``); returns the epsilon spent so far. Needs the
+    def record_zcdp(self, name: str, rho: float, details: Mapping[str, Any],
+                    groups: Sequence[int] | None = None) -> float:
+        """Compose one rho-zCDP release (discrete noise: the distributed Skellam sum,
+        ``skellam_rho``) that every user takes part in, or (``groups``) the users of those
+        disjoint groups only, as ``record``; returns the epsilon spent so far. Needs the
         integer-order RDP accountant (``DISCRETE_ACCOUNTANT``)."""
         if self.kind != DISCRETE_ACCOUNTANT:
             raise ValueError(f"a zCDP release needs the {DISCRETE_ACCOUNTANT} accountant, "
                              f"not {self.kind}")
         if not rho > 0:
             raise ValueError(f"rho must be > 0, got {rho}")
-        return self._record_common(name, (float(rho), ZCDP), {"mechanism": "zcdp",
-                                                              "rho": float(rho), **details})
+        key: EventKey = (float(rho), ZCDP)
+        entry = {"mechanism": "zcdp", "rho": float(rho), **details}
+        if groups is None:
+            return self._record_common(name, key, entry)
+        for g in groups:
+            self._groups.setdefault(int(g), Counter())[key] += 1
+            self._stale.add(int(g))
+        spent = self.epsilon()
+        self.ledger.append({"release": name, **entry,
+                            "user_group": groups[0] if len(groups) == 1 else None,
+                            **({"user_groups": [int(g) for g in groups]}
+                               if len(groups) > 1 else {}),
+                            "epsilon_spent": spent})
+        return spent
 
     def _record_common(self, name: str, key: EventKey, entry: Mapping[str, Any]) -> float:
         """Compose one release every user takes part in; ledger it; the epsilon spent."""

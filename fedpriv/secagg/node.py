@@ -65,6 +65,44 @@ def _multipliers(config_json: str) -> dict[str, float]:
     return {r.name: z for r, z in zip(plan, calibrate(config, plan), strict=True)}
 
 
+@lru_cache(maxsize=8)
+def _groups(config_json: str) -> dict[str, tuple[int, ...] | None]:
+    """{release label: the disjoint user groups it charges (None: every user)} of the run's
+    steps, as the node computes them from the run config (the server's ``charge``)."""
+    from fedpriv.configure import parse_config
+    from fedpriv.evaluation import algorithm_for
+
+    config = parse_config(json.loads(config_json))
+    algorithm = algorithm_for(config)(config)
+    out: dict[str, tuple[int, ...] | None] = {}
+    for step in algorithm.steps():
+        if step.release is not None:
+            groups, _ = algorithm.charge(step)
+            out[step.label] = None if groups is None else tuple(int(g) for g in groups)
+    return out
+
+
+def charged_epsilon(config: RunConfig, releases: Mapping[str, float]) -> float:
+    """The epsilon of zCDP releases {label: rho}: each charged to the user groups the node's
+    own step list gives it (a label it cannot place: to every user), the largest over groups."""
+    from fedpriv.server.discrete import accounting_delta
+
+    groups = _groups(json.dumps(config.to_mapping(), sort_keys=True, default=str))
+    common: dict[tuple[float, float], int] = {}
+    by_group: dict[int, dict[tuple[float, float], int]] = {}
+    for label, rho in releases.items():
+        key = (float(rho), ZCDP)
+        charged = groups.get(label)
+        if charged is None:
+            common[key] = common.get(key, 0) + 1
+        for g in charged or ():
+            by_group.setdefault(g, {})[key] = by_group.setdefault(g, {}).get(key, 0) + 1
+    delta, relation = accounting_delta(config), config.neighbouring_relation
+    totals = [common] + [{k: common.get(k, 0) + by_group[g].get(k, 0)
+                          for k in {*common, *by_group[g]}} for g in by_group]
+    return max(epsilon_of(t, delta, DISCRETE_ACCOUNTANT, relation) for t in totals if t)
+
+
 def planned_rho(config: RunConfig, nodes: int, step: Step, honest: int) -> float:
     """The zCDP rho of ``step`` when ``honest`` nodes' shares are in the sum, by the node's own
     calculation from the run config."""
@@ -100,7 +138,7 @@ def check_round(config: RunConfig, nodes: int, step: Step, params: np.ndarray | 
     returns the epsilon after it. ``params``: the server's share parameters (one row per part:
     granularity, node variance, bits). ``history``: the server's ledger so far {release label:
     rho}; ``seen``: the rounds this node took part in {label: rho by its own count}."""
-    from fedpriv.server.discrete import accounting_delta, honest_minimum
+    from fedpriv.server.discrete import honest_minimum
 
     if step.is_final:
         return math.nan
@@ -124,12 +162,8 @@ def check_round(config: RunConfig, nodes: int, step: Step, params: np.ndarray | 
                                f"node saw it (rho {rho:.6g})")
     if step.label in history:
         raise RoundRefused(f"{step.label} was released already")
-    counts: dict[tuple[float, float], int] = {}
     this = planned_rho(config, nodes, step, honest_minimum(config, nodes))
-    for rho in [*history.values(), this]:
-        counts[(float(rho), ZCDP)] = counts.get((float(rho), ZCDP), 0) + 1
-    epsilon = epsilon_of(counts, accounting_delta(config), DISCRETE_ACCOUNTANT,
-                         config.neighbouring_relation)
+    epsilon = charged_epsilon(config, {**history, step.label: this})
     if epsilon > config.ceiling * (1.0 + 1e-9):
         raise RoundRefused(f"{step.label} would bring epsilon to {epsilon:.6g}, above the "
                            f"run's ceiling {config.ceiling:g}")

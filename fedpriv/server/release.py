@@ -265,9 +265,10 @@ class Releaser:
             report["missing_node_rescale"] = scale
         parts = ledger_parts(step, plans, honest, population)
         rho = sum(p["rho"] for p in parts)
+        groups, _ = self.algorithm.charge(step)  # disjoint user groups: only theirs charged
         spent = self.accountant.record_zcdp(step.label, rho, {
             "mechanism": "distributed skellam", "noise_multiplier": z, "honest_nodes": honest,
-            "parts": parts})
+            "parts": parts}, groups=groups)
         self.guard(spent)
         report["epsilon_spent"] = spent
         report["honest_nodes"] = honest
