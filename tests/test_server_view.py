@@ -221,3 +221,12 @@ def test_a_user_whose_final_metric_overflows_costs_only_that_user(monkeypatch):
     assert got.metrics.keys() == without.metrics.keys()
     for name, value in without.metrics.items():
         assert got.metrics[name] == pytest.approx(value, rel=1e-12, abs=1e-12)
+
+
+def test_a_learning_curve_is_refused_where_nodes_send_no_exact_metrics():
+    from fedpriv.config import ConfigError
+    from fedpriv.configure import parse_config
+
+    with pytest.raises(ConfigError, match="^eval-every: distributed nodes send no exact"):
+        parse_config({"algorithm": "deep-private-fedrep", "eval-every": 2,
+                      "aggregation": "distributed", "accountant": "rdp"})

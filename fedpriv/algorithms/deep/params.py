@@ -223,7 +223,8 @@ class RoundsKeys(RunConfig):
         "rounds the users fit and score their personal models with the model of that round "
         "(the final step's work), and "
         "the exact metrics go to the operator report and a plot beside it (not private, "
-        "nothing released, no epsilon; each costs one final fit); 0 = the final step only",
+        "nothing released, no epsilon; each costs one final fit); 0 = the final step only; "
+        "refused in distributed and secure runs (their nodes send no exact metrics)",
         non_negative, "an integer >= 0"))
 
     def check_keys(self) -> None:
@@ -232,6 +233,10 @@ class RoundsKeys(RunConfig):
                               f"({self.num_users})")
         if self.clip_quantile > 0 and not self.clipping:
             raise ConfigError("clip-quantile: adaptive clipping needs clipping = true")
+        if self.eval_every and self.noise_shares:
+            raise ConfigError(f"eval-every: {self.aggregation} nodes send no exact metrics, so "
+                              "there is no learning curve; set eval-every = 0 (private-metrics "
+                              "= true releases the final metrics with noise)")
 
 
 # ----- what each algorithm reads ---------------------------------------------------------------
