@@ -45,6 +45,8 @@ def progress_line(report: Mapping[str, Any], total_steps: int, done: int) -> str
     for key in PROGRESS_METRICS:
         if key in report:
             parts.append(f"{key}={report[key]:.4g}")
+    if "note" in report:  # a step the nodes were not sent
+        return "  ".join([*parts, report["note"]])
     if report["step"] != "final":
         parts.append(f"users={report['users_contributing']}")
     parts.append(f"nodes={report['nodes_answered']}")
