@@ -230,3 +230,39 @@ def test_a_learning_curve_is_refused_where_nodes_send_no_exact_metrics():
     with pytest.raises(ConfigError, match="^eval-every: distributed nodes send no exact"):
         parse_config({"algorithm": "deep-private-fedrep", "eval-every": 2,
                       "aggregation": "distributed", "accountant": "rdp"})
+
+
+def test_a_distributed_flower_node_replies_with_its_share_and_public_values_only(monkeypatch):
+    """The real PrivateStrategy and ClientApp handlers (loopback grid, no runtime): every
+    reply of a distributed run holds the ring vectors, the public user count, a zero clipped
+    count and the partition, no timing and no metric; no metrics step is sent."""
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_reliability import LoopbackGrid
+
+    import fedpriv.protocol as P
+    from strategies.private import PrivateStrategy
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    config = make_config(aggregation="distributed", num_users=400)
+    grid = LoopbackGrid(config, 4)
+    replies: list[Any] = []
+    send = grid.send_and_receive
+
+    def spy(messages: Any, timeout: Any = None) -> Any:
+        out = send(messages, timeout)
+        replies.extend((m.metadata.message_type, dict(r.content[P.METRICS]))
+                       for m, r in zip(messages, out, strict=True))
+        return out
+
+    grid.send_and_receive = spy  # type: ignore[method-assign]
+    strategy = PrivateStrategy(config, {node: p for p, node in enumerate(grid.contexts)})
+    strategy.server.log = lambda _: None
+    results = strategy.run(grid)
+    assert {kind for kind, _ in replies} == {P.MSG_STEP}  # no final (metrics) message
+    assert len(replies) == 4 * 2  # init and round-1, four nodes
+    for _, metrics in replies:
+        assert set(metrics) == {P.KEY_NUM_USERS, P.KEY_NUM_CLIPPED, P.KEY_PARTITION}
+        assert metrics[P.KEY_NUM_USERS] == 100 and metrics[P.KEY_NUM_CLIPPED] == 0
+    assert results["metrics"] == {} and results["rejections"] == {}
