@@ -58,6 +58,7 @@ from fedpriv import protocol as P  # noqa: E402
 from fedpriv.configure import parse_config  # noqa: E402
 from fedpriv.secagg.local import LocalNodes  # noqa: E402
 from fedpriv.secagg.node import Failure  # noqa: E402
+from fedpriv.server.report import measured_metrics  # noqa: E402
 from fedpriv.server.secagg import SecureRound, payload_bytes  # noqa: E402
 
 MODES = ("secure", "distributed", "central")
@@ -157,8 +158,7 @@ def run_inprocess(values: dict[str, Any]) -> dict[str, Any]:
                       "seconds_with_serde": row["seconds"],
                       "nodes_answered": row["nodes_answered"], **c})
     return {"wall_s": wall, "steps": steps, "num_nodes": results["num_nodes"],
-            "population_mse": (results["metrics"] or results.get("simulation_metrics") or {}).get(
-                "population_mse")}
+            "population_mse": measured_metrics(results).get("population_mse")}
 
 
 def free_port() -> int:
@@ -290,8 +290,7 @@ def run_engine(engine_name: str, values: dict[str, Any], nodes: int, workdir: Pa
     return {"wall_s": wall, "flower_wall_time_s": results.get("wall_time_s"),
             "num_nodes": results["num_nodes"], "peak_pss_mb": group.peak_bytes / 2**20,
             "peak_processes": group.peak_procs,
-            "population_mse": (results["metrics"] or results.get("simulation_metrics") or {}).get(
-                "population_mse"),
+            "population_mse": measured_metrics(results).get("population_mse"),
             "steps": [{"step": r["step"], "seconds": r["seconds"],
                        "nodes_answered": r["nodes_answered"],
                        "to": r.get("secure_bytes_to_nodes"),

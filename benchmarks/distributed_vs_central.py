@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedpriv.configure import parse_config  # noqa: E402
 from fedpriv.engine import run_in_process  # noqa: E402
+from fedpriv.server.report import measured_metrics  # noqa: E402
 
 NODES = 10
 DROPOUT = 0.1
@@ -131,8 +132,7 @@ def one_run(values: dict[str, Any], overrides: dict[str, Any], seed: int,
     config = parse_config({**values, **overrides, "seed": seed})
     started = time.perf_counter()
     r = run_in_process(config, num_partitions=NODES, log=lambda _: None)
-    # a distributed run's server receives no exact metrics: the simulator's measurement
-    metrics = r["metrics"] or r.get("simulation_metrics") or {}
+    metrics = measured_metrics(r)  # a distributed server receives none: the simulator's
     key = next((k for k in metric_keys if k in metrics), None)
     if key is None:
         raise KeyError(f"none of {list(metric_keys)} in metrics {sorted(metrics)}")

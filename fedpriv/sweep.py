@@ -51,6 +51,7 @@ from fedpriv.config import ConfigError, RunConfig, default_mapping
 from fedpriv.configure import algorithm_params, declared_keys, parse_config, select_keys
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import InfeasiblePlanError
+from fedpriv.server.report import measured_metrics
 
 if TYPE_CHECKING:
     from fedpriv.launcher import FlowerSession
@@ -322,6 +323,11 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
             results[run] = previous
         else:
             todo.append((run, path))
+    shares = sorted({run.series for run, _ in todo if parse_config(run.values).noise_shares})
+    if engine == "flower" and shares:
+        raise ConfigError(f"[sweep] engine: series {shares} run distributed or secure noise, "
+                          "whose servers receive no exact metrics; run the sweep with --engine "
+                          "inprocess (its simulator measures them on the nodes)")
     total = len(spec.runs)
     grid = "" if not spec.x_values else f"{len(spec.x_values)} values of {spec.x} x "
     log(f"fedpriv sweep {spec.name}: {total} runs ({len(spec.series)} series x {grid}"
@@ -339,14 +345,14 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         eta = elapsed / ran * (total - done) if ran else 0.0
         eps = "   -  " if run.epsilon is None else f"{run.epsilon:6g}"
         at = "" if run.x is None else f" {spec.x}={run.x:g}"
-        value = res["metrics"].get(spec.metric)
+        value = measured_metrics(res).get(spec.metric)
         shown = "missing" if value is None else f"{value:.4g}"
         log(f"[{done:>{len(str(total))}}/{total}] {run.series:<28} eps={eps}{at} "
             f"seed={run.seed}  {spec.metric} {shown}  ({res['wall_time_s']:.1f}s; elapsed "
             f"{_clock(elapsed)}, ETA {_clock(eta)})")
         if value is None:  # the table needs it from every run: stop now, not at the end
             raise ConfigError(f"[sweep] metric: {spec.metric!r} is not reported by "
-                              f"{run.series!r}, which reports {sorted(res['metrics'])}; the "
+                              f"{run.series!r}, which reports {sorted(measured_metrics(res))}; the "
                               "runs finished so far are kept and reused by the next sweep")
 
     if engine == "flower" and todo:
@@ -422,11 +428,12 @@ def summarize(spec: SweepSpec, results: dict[Run, dict[str, Any]]) -> list[dict[
         return (order[series], -1.0 if eps is None else eps, -1.0 if x is None else x)
 
     for (series, eps, x), members in sorted(groups.items(), key=key):
-        missing = [run.slug for run, r in members if metric not in r["metrics"]]
+        measured = [(run, measured_metrics(r)) for run, r in members]
+        missing = [run.slug for run, m in measured if metric not in m]
         if missing:
             raise KeyError(f"metric {metric!r} is not reported by run(s) {missing}; they report "
-                           f"{sorted(members[0][1]['metrics'])}")
-        stats = _stats([r["metrics"][metric] for _, r in members])
+                           f"{sorted(measured[0][1])}")
+        stats = _stats([m[metric] for _, m in measured])
         spent = [r["privacy"]["epsilon"] for _, r in members]
         row: dict[str, Any] = {"series": series, "algorithm": members[0][0].algorithm,
                                "epsilon": eps}
@@ -434,9 +441,9 @@ def summarize(spec: SweepSpec, results: dict[Run, dict[str, Any]]) -> list[dict[
             row[spec.x] = x
         row["seeds"] = len(members)
         row.update({f"{metric}_{k}": stats[k] for k in ("mean", "std", "min", "max")})
-        others = set.intersection(*(set(r["metrics"]) for _, r in members)) - {metric}
+        others = set.intersection(*(set(m) for _, m in measured)) - {metric}
         for name in sorted(others):
-            row[f"{name}_mean"] = sum(r["metrics"][name] for _, r in members) / len(members)
+            row[f"{name}_mean"] = sum(m[name] for _, m in measured) / len(members)
         # None: released without noise (not private); otherwise the accountant's epsilon
         row["epsilon_spent_max"] = None if any(s is None for s in spent) else max(spent)
         row["wall_time_s_mean"] = sum(r["wall_time_s"] for _, r in members) / len(members)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpriv.configure import parse_config
+from fedpriv.server.report import measured_metrics
 from fedpriv.sweep import SweepSpec, metric_label
 
 
@@ -132,8 +133,9 @@ def curve_table(spec: SweepSpec, runs_dir: Path) -> CurveTable:
         for point in points:
             if spec.metric in point:
                 cell.setdefault(point["round"], []).append(point[spec.metric])
-        if not points and spec.metric in results["metrics"]:
-            cell.setdefault(None, []).append(results["metrics"][spec.metric])
+        measured = measured_metrics(results)
+        if not points and spec.metric in measured:
+            cell.setdefault(None, []).append(measured[spec.metric])
     if not any(r is not None for cell in table.values() for r in cell):
         return {}
     return table

@@ -276,3 +276,39 @@ def test_figure_configs_set_the_hyperparameters_that_defaults_may_change():
             assert not missing, f"{path.name}, {run.series}: set {missing} in the file"
             checked += bool(tuned)
     assert checked > 100  # the deep figures' runs
+
+
+DISTRIBUTED_SWEEP = """
+[sweep]
+name = "shares"
+title = "distributed noise"
+epsilons = [2]
+seeds = [0]
+
+[base]
+num-users = 400
+users-per-node = 100
+dim = 8
+rounds = 1
+accountant = "rdp"
+aggregation = "distributed"
+test-samples-per-user = 3
+
+[[series]]
+label = "Private FedRep"
+algorithm = "private-fedrep"
+"""
+
+
+def test_a_distributed_sweep_reads_the_simulators_metrics_and_refuses_flower(tmp_path):
+    """The server of a distributed run receives no exact metrics: an in-process sweep tables
+    the simulator's measurement on the nodes; a Flower one is refused before any run."""
+    spec = load_sweep(write(tmp_path, DISTRIBUTED_SWEEP))
+    with pytest.raises(ConfigError, match=r"^\[sweep\] engine: series \['Private FedRep'\]"):
+        run_sweep(spec, tmp_path / "flower", engine="flower", log=lambda _: None)
+    assert not list((tmp_path / "flower" / "runs").glob("*.json"))
+    rows = run_sweep(spec, tmp_path / "out", log=lambda _: None)
+    (run,) = [json.loads(p.read_text()) for p in (tmp_path / "out" / "runs").glob("*.json")
+              if ".release." not in p.name]
+    assert run["metrics"] == {}
+    assert rows[0]["population_mse_mean"] == run["simulation_metrics"]["population_mse"]

@@ -105,6 +105,13 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
     }
 
 
+def measured_metrics(results: Mapping[str, Any]) -> dict[str, float]:
+    """A run's exact final metrics for its operator: the server's (central runs), or in a
+    distributed or secure run of the in-process engine the simulator's own measurement on its
+    nodes (``simulation_metrics``: no server received them); {} where there are none."""
+    return dict(results.get("metrics") or results.get("simulation_metrics") or {})
+
+
 def silent_run(results: Mapping[str, Any]) -> str | None:
     """A message where no node answered any step of the run (every release is noise alone and
     nothing was evaluated: a node config, data file or model the nodes cannot use); else None.
