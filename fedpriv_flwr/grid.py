@@ -9,45 +9,18 @@ Rounding moves one user's effect by less than ``g`` per coordinate, so the round
 sensitivity is at most ``Delta (1 + 2^-20) + g sqrt(d)`` (the grid's slack, recorded in the
 ledger as the part's ``l2_sensitivity``); ``s = ceil(z (Delta_g / g))``, so the release is
 ``1 / (2 z^2)``-zCDP: the RDP curve of the Gaussian with multiplier ``z``, which the integer-order
-RDP accountant records (no Poisson amplification is claimed). The grid is that of
-``fedpriv.server.discrete.central_grid`` (a test checks they agree; this package builds on
-fedpriv's privacy layer only, so the few lines are repeated here).
+RDP accountant records (no Poisson amplification is claimed). The grid is fedpriv's own
+(``fedpriv.privacy.grid.central_grid``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedpriv.privacy.discrete import CryptoRandom, discrete_gaussian, power_of_two_at_most
-
-SLACK_FACTOR = 2.0 ** 10  # the rounding slack g sqrt(d) is at most Delta / SLACK_FACTOR
-MAX_SIGMA = 2 ** 24  # the largest sigma (grid units) the exact sampler takes
-FLOAT_SLACK = 2.0 ** -20  # relative allowance for the float error of the exact sum
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A part's grid ``granularity``, its discrete Gaussian ``sigma`` (grid units) and the
-    rounded sum's L2 ``sensitivity``."""
-
-    granularity: float
-    sigma: int
-    sensitivity: float
-
-
-def grid_of(multiplier: float, sensitivity: float, dim: int) -> Grid:
-    """The grid of a part whose exact sum has L2 ``sensitivity`` over ``dim`` coordinates."""
-    g = power_of_two_at_most(sensitivity / (SLACK_FACTOR * math.sqrt(dim)))
-    while True:
-        rounded = sensitivity * (1.0 + FLOAT_SLACK) + g * math.sqrt(dim)
-        sigma = math.ceil(multiplier * rounded / g)
-        if sigma <= MAX_SIGMA:
-            return Grid(g, max(sigma, 1), rounded)
-        g *= 2.0
+from fedpriv.privacy.discrete import CryptoRandom, discrete_gaussian
+from fedpriv.privacy.grid import central_grid
 
 
 def noisy_mean_on_grid(exact_sum: np.ndarray, denominator: float, multiplier: float,
@@ -56,7 +29,7 @@ def noisy_mean_on_grid(exact_sum: np.ndarray, denominator: float, multiplier: fl
     """``(round(exact_sum / g) + N_Z(0, sigma^2)) g / denominator`` and the ledger entry of the
     part (its ``l2_sensitivity`` is the mean's, the grid's slack included)."""
     exact = np.asarray(exact_sum, dtype=np.float64)
-    grid = grid_of(multiplier, sensitivity, max(exact.size, 1))
+    grid = central_grid(multiplier, sensitivity, max(exact.size, 1))
     g = grid.granularity
     units = np.rint(exact / g).astype(np.int64)
     noisy_sum = (units + discrete_gaussian(grid.sigma, exact.shape, rng)).astype(np.float64) * g

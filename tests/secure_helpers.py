@@ -160,15 +160,15 @@ def fix_node_noise(monkeypatch: Any) -> list[str]:
     return calls
 
 
-REPLY_KEYS = {"setup": {"c-pk", "s-pk", "metric-names"},
+REPLY_KEYS = {"setup": {"c-pk", "s-pk"},
               "share-keys": {"dst", "ciphertexts", "seed-digest"}, "collect": {"masked"},
               "unmask": {"seed-of", "seed-shares", "key-of", "key-shares"}}
 
 
 def assert_nothing_in_plain(exchange: Exchange, record: Transcript, nodes: int) -> None:
     """No reply the server read carries a node's vector (whole or one segment), its counts
-    or its metrics: only the stage's keys; integers only as node ids; strings only the public
-    metric names; bytes (keys, ciphertexts, shares, digests) holding no vector's bytes; arrays
+    or its metrics: only the stage's keys; integers only as node ids; no strings; bytes (keys,
+    ciphertexts, shares, digests) holding no vector's bytes; arrays
     only masked vectors that agree with no node's vector but by chance."""
     secrets = [(v, record.layouts[(r, p)]) for (r, p), v in record.vectors.items()
                if r == exchange.round_id]
@@ -182,9 +182,8 @@ def assert_nothing_in_plain(exchange: Exchange, record: Transcript, nodes: int) 
                 assert not isinstance(item, float)
                 if isinstance(item, (int, np.integer)):
                     assert key in ("dst", "seed-of", "key-of") and 0 <= item < nodes
-                elif isinstance(item, str):
-                    assert key == "metric-names" and all(
-                        isinstance(n, str) for n in json.loads(item))
+                elif isinstance(item, str):  # no metrics step: no names, no strings
+                    raise AssertionError(f"{key}: a string {item!r} in a reply")
                 elif isinstance(item, bytes):
                     for vector, layout in secrets:
                         assert vector.tobytes() not in item

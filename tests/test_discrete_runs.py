@@ -15,9 +15,10 @@ from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 from fedpriv.outputs import publishable, release_document
 from fedpriv.privacy.discrete import CryptoRandom
+from fedpriv.privacy.grid import FLOAT_SLACK
 from fedpriv.privacy.quantize import conditional_bound, from_ring, padded_dim, rotation_signs
 from fedpriv.server import PrivateServer
-from fedpriv.server.discrete import DELTA_RESERVE, FLOAT_SLACK, share_plan
+from fedpriv.server.discrete import DELTA_RESERVE, share_plan
 from fedpriv.shares import BETA, decode_sum, encode_part, quantize_part
 
 FEDREP = {"algorithm": "private-fedrep", "num-users": 600, "dim": 10, "rounds": 3,

@@ -19,8 +19,8 @@ from flwr.app import ConfigRecord, Error, Message
 from flwr.serverapp.strategy import FedAvg
 
 from fedpriv.privacy.discrete import CryptoRandom
-from fedpriv.server.discrete import central_grid
-from fedpriv_flwr.grid import grid_of, noisy_mean_on_grid
+from fedpriv.privacy.grid import central_grid
+from fedpriv_flwr.grid import noisy_mean_on_grid
 from fedpriv_flwr.plan import PlanError
 from fedpriv_flwr.strategy import PrivateStrategy
 from fedpriv_flwr.users import per_user, sample_users, user_sum_reply
@@ -162,7 +162,10 @@ def test_per_user_zeroes_exactly_the_failing_user():
 @pytest.mark.parametrize("z, sensitivity, dim", [(1.3, 1.0, 35), (0.7, 2.5, 1),
                                                   (40.0, 0.01, 10**5)])
 def test_the_grid_is_the_cores_central_grid(z, sensitivity, dim):
-    assert grid_of(z, sensitivity, dim).__dict__ == central_grid(z, sensitivity, dim).__dict__
+    _, entry = noisy_mean_on_grid(np.zeros(dim), 7.0, z, sensitivity, CryptoRandom(1))
+    grid = central_grid(z, sensitivity, dim)
+    assert (entry["granularity"], entry["sigma_grid"], entry["l2_sensitivity"]) == (
+        grid.granularity, grid.sigma, grid.sensitivity / 7.0)
 
 
 def test_secure_noise_is_integer_multiples_of_the_grid():

@@ -279,7 +279,9 @@ def test_the_node_accepts_the_servers_honest_parameters(plan_world):
     assert 0 < first < second <= cfg.ceiling * (1 + 1e-9)
     more_noise = params["round-1"] * np.array([1.0, 2.0, 1.0])
     assert check_round(cfg, K, round1, more_noise, {"init": rho}, {}) == second
-    assert math.isnan(check_round(cfg, K, dataclasses.replace(round1, parts=()), None, {}, {}))
+    # a metrics step is never secure-aggregated: a node refuses it (it sends no exact metrics)
+    with pytest.raises(RoundRefused, match="a metrics step"):
+        check_round(cfg, K, dataclasses.replace(round1, parts=()), None, {}, {})
 
 
 @pytest.mark.parametrize("change,why", [
@@ -485,3 +487,4 @@ def test_disjoint_user_groups_are_charged_their_own_releases_by_server_and_nodes
         assert results["rejections"] == {}
         assert results["privacy"]["epsilon"] <= 2.0 * (1 + 1e-9)
     assert runs["secure"]["privacy"]["epsilon"] == runs["distributed"]["privacy"]["epsilon"]
+

@@ -5,8 +5,9 @@ Each stage is a function of the node's state (kept between a round's messages: F
 the reply. The node's contribution is computed in the setup stage (``compute``: the node's users'
 step, ``fedpriv.nodes.node_step``, which quantizes it and adds the node's noise share), kept
 on the node, and leaves it only masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)`` modulo each part's
-``2^bits`` (Bonawitz et al. 2017). Per-node counts and metrics travel in the same masked vector
-(fixed point modulo ``2^62``), never in plain.
+``2^bits`` (Bonawitz et al. 2017). The node's user count (the public one: ``fedpriv.nodes
+.public_reply``) travels in the same masked vector (modulo ``2^62``), never in plain; a metrics
+step is never secure-aggregated (its nodes send no exact metrics).
 
 Before it contributes, the node checks the round against the run's declared plan
 (``check_round``): the noise share, grid and modulus it recomputes from the run config and the
@@ -35,8 +36,7 @@ from fedpriv.privacy.quantize import from_ring, padded_dim, to_ring
 from fedpriv.secagg import crypto as C
 from fedpriv.shares import DISTRIBUTED_KEY
 
-COUNT_BITS = 62  # the counts-and-metrics segment: modulo 2^62
-METRIC_SCALE = 2.0 ** 20  # metrics in fixed point: units of 2^-20
+COUNT_BITS = 62  # the counts segment: modulo 2^62
 COUNTS = "__counts__"
 
 
@@ -141,7 +141,8 @@ def check_round(config: RunConfig, nodes: int, step: Step, params: np.ndarray | 
     from fedpriv.server.discrete import honest_minimum
 
     if step.is_final:
-        return math.nan
+        raise RoundRefused(f"{step.label}: a metrics step; this run's nodes send no exact "
+                           "metrics")
     if params is None:
         raise RoundRefused(f"{step.label}: no noise-share parameters")
     expected = expected_shares(config, nodes, step)
@@ -171,33 +172,26 @@ def check_round(config: RunConfig, nodes: int, step: Step, params: np.ndarray | 
 
 
 # ----- the stages ----------------------------------------------------------------------------
-def counts_vector(contrib: UserContribution, names: list[str]) -> np.ndarray:
-    """Counts and metrics in fixed point, modulo ``2^COUNT_BITS``."""
-    metrics = contrib.metrics or {}
-    values = [float(metrics[k]) for k in names]
-    if not all(math.isfinite(v) and abs(v) * METRIC_SCALE < 2.0 ** (COUNT_BITS - 2)
-               for v in values):
-        raise RoundRefused("a metric is not finite or too large for the secure sum")
-    ints = [int(contrib.num_users), int(contrib.num_clipped)] + [
-        round(v * METRIC_SCALE) for v in values]
+def counts_vector(contrib: UserContribution) -> np.ndarray:
+    """The users and clipped users counts, modulo ``2^COUNT_BITS``."""
+    ints = [int(contrib.num_users), int(contrib.num_clipped)]
     return to_ring(np.array(ints, dtype=np.int64), COUNT_BITS)
 
 
-def read_counts(vector: np.ndarray, names: list[str]) -> tuple[int, int, dict[str, float]]:
-    """The summed counts and metrics back from the counts segment."""
+def read_counts(vector: np.ndarray) -> tuple[int, int]:
+    """The summed counts back from the counts segment."""
     lifted = from_ring(np.asarray(vector, dtype=np.uint64), COUNT_BITS)
-    return (int(lifted[0]), int(lifted[1]),
-            {k: float(v) / METRIC_SCALE for k, v in zip(names, lifted[2:], strict=True)})
+    return int(lifted[0]), int(lifted[1])
 
 
-def own_layout(step: Step, params: np.ndarray | None, names: list[str]) -> C.Layout:
+def own_layout(step: Step, params: np.ndarray | None) -> C.Layout:
     """The masked vector of ``step``: each noised part's ring vector, then the counts."""
     segments = []
-    if not step.is_final and params is not None:
+    if params is not None:
         for part, row in zip(step.parts, np.asarray(params), strict=True):
             segments.append(C.Segment(part.name, padded_dim(int(np.prod(part.shape))),
                                       int(row[2])))
-    segments.append(C.Segment(COUNTS, 2 + len(names), COUNT_BITS))
+    segments.append(C.Segment(COUNTS, 2, COUNT_BITS))
     return C.Layout(tuple(segments))
 
 
@@ -206,7 +200,7 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
           compute: Callable[[Step, Mapping[str, np.ndarray]], UserContribution],
           ) -> dict[str, Any]:
     """Stage 1: check the round, compute the contribution, make this round's key pairs;
-    reply the public keys (and the metric names of a final step, which are public)."""
+    reply the public keys. A metrics step is refused: its nodes send no exact metrics."""
     step = Step.from_json(str(msg["step"]))
     params = arrays.get(DISTRIBUTED_KEY)
     history = dict(zip(msg["history-labels"], msg["history-rho"], strict=True))
@@ -217,14 +211,11 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         raise RoundRefused(f"threshold {msg['threshold']} is not the run's "
                            f"({threshold(config, nodes)} of {nodes} nodes)")
     check_round(config, nodes, step, params, history, seen)
-    plans = [] if step.is_final else [[p.l2, p.l1, p.node_variance]
-                                      for p in expected_shares(config, nodes, step)]
+    plans = [[p.l2, p.l1, p.node_variance] for p in expected_shares(config, nodes, step)]
     contrib = compute(step, arrays)
-    names = sorted(contrib.metrics or {}) if step.is_final else []
-    values = {COUNTS: counts_vector(contrib, names)}
-    if not step.is_final:
-        values.update({k: np.asarray(v).astype(np.uint64) for k, v in contrib.totals.items()})
-    layout = own_layout(step, params, names)
+    values = {COUNTS: counts_vector(contrib)}
+    values.update({k: np.asarray(v).astype(np.uint64) for k, v in contrib.totals.items()})
+    layout = own_layout(step, params)
     c_sk, c_pk = C.key_pair()
     s_seed = secrets.token_bytes(C.SEED_BYTES)  # the mask key, shared as its seed
     s_sk, s_pk = C.key_pair_from_seed(s_seed)
@@ -232,12 +223,12 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         del state[key]  # a new round forgets the last one's secrets
     state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
                   "round/threshold": int(msg["threshold"]), "round/layout": json.dumps(
-                      layout.to_json()), "round/metrics": json.dumps(names),
+                      layout.to_json()),
                   "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
                   "round/s-seed": s_seed,
                   "round/s-pk": s_pk, "round/vector": layout.join(values),
                   "round/plans": json.dumps(plans)})
-    return {"c-pk": c_pk, "s-pk": s_pk, "metric-names": json.dumps(names)}
+    return {"c-pk": c_pk, "s-pk": s_pk}
 
 
 def _check_round_id(state: Mapping[str, Any], msg: Mapping[str, Any]) -> None:
@@ -346,14 +337,13 @@ def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         key_of.append(v)
         key_shares.append(state["round/held-key"][held_from.index(v)])
     step = Step.from_json(state["round/step"])
-    if not step.is_final:  # remember what this round cost, to check the server's ledger
-        from fedpriv.server.discrete import honest_count
+    from fedpriv.server.discrete import honest_count  # remember what this round cost
 
-        honest = max(honest_count(config, nodes, len(active)), 1)
-        rho = float(sum(skellam_rho(l2, l1, variance * honest)
-                        for l2, l1, variance in json.loads(state["round/plans"])))
-        state["seen-labels"] = [*state.get("seen-labels", []), step.label]
-        state["seen-rho"] = [*state.get("seen-rho", []), rho]
+    honest = max(honest_count(config, nodes, len(active)), 1)
+    rho = float(sum(skellam_rho(l2, l1, variance * honest)
+                    for l2, l1, variance in json.loads(state["round/plans"])))
+    state["seen-labels"] = [*state.get("seen-labels", []), step.label]
+    state["seen-rho"] = [*state.get("seen-rho", []), rho]
     for key in [k for k in state if k.startswith("round/")]:
         del state[key]
     return {"seed-of": seed_of, "seed-shares": seed_shares, "key-of": key_of,

@@ -42,16 +42,10 @@ from fedpriv.algorithms.base import Algorithm, Part, Step
 from fedpriv.config import ConfigError, RunConfig
 from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, PlannedRelease
 from fedpriv.privacy.bounds import skellam_rho
-from fedpriv.privacy.discrete import power_of_two_at_most
+from fedpriv.privacy.grid import FLOAT_SLACK, SLACK_FACTOR, granularity
 from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim, wrap_probability
 from fedpriv.shares import BETA
 
-# the grid: rounding slack sqrt(d) g at most 1 / SLACK_FACTOR of the sensitivity
-SLACK_FACTOR = 2.0 ** 10
-# the largest discrete Gaussian sigma (grid units) the exact sampler takes
-MAX_SIGMA = 2 ** 24
-# relative allowance for floating-point error in a node's sum and rotation
-FLOAT_SLACK = 2.0 ** -20
 WRAP_TARGET = 1e-9
 # distributed: the share of delta kept for the conditional-rounding slack
 DELTA_RESERVE = 1e-6
@@ -110,35 +104,6 @@ def check_discrete(config: RunConfig, algorithm: Algorithm[Any],
         raise ConfigError(f"aggregation: {config.algorithm} draws its own noise ({own[0].__name__}"
                           ".noise, e.g. tree-aggregated noise correlated across rounds), not an "
                           "independent share per release; use aggregation = \"central\"")
-
-
-# ----- the grid ------------------------------------------------------------------------------
-def granularity(sensitivity: float, dim: int) -> float:
-    """The power-of-two grid of a part whose sum has L2 ``sensitivity``: the rounding slack
-    ``g sqrt(dim)`` is at most ``sensitivity / SLACK_FACTOR``."""
-    return power_of_two_at_most(sensitivity / (SLACK_FACTOR * math.sqrt(dim)))
-
-
-@dataclass(frozen=True)
-class CentralGrid:
-    """A publishable part: grid ``granularity``, discrete Gaussian ``sigma`` (grid units) and
-    the rounded sum's L2 sensitivity (``sensitivity + granularity sqrt(d)``)."""
-
-    granularity: float
-    sigma: int
-    sensitivity: float
-
-
-def central_grid(multiplier: float, sensitivity: float, dim: int) -> CentralGrid:
-    """The grid and the integer sigma of one publishable part (``sigma <= MAX_SIGMA``: the
-    grid is made coarser until it fits)."""
-    g = granularity(sensitivity, dim)
-    while True:  # FLOAT_SLACK: the float error of the sum (n C 2^-52 <= C 2^-20, n <= 2^32)
-        rounded = sensitivity * (1.0 + FLOAT_SLACK) + g * math.sqrt(dim)
-        sigma = math.ceil(multiplier * rounded / g)
-        if sigma <= MAX_SIGMA:
-            return CentralGrid(g, max(sigma, 1), rounded)
-        g *= 2.0
 
 
 # ----- distributed parameters ----------------------------------------------------------------

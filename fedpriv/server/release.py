@@ -51,16 +51,10 @@ from fedpriv.privacy.discrete import (
     grid_scores,
     power_of_two_at_most,
 )
+from fedpriv.privacy.grid import FLOAT_SLACK, central_grid
 from fedpriv.privacy.mechanisms import exponential_mechanism
 from fedpriv.randomness import noise_generator
-from fedpriv.server.discrete import (
-    FLOAT_SLACK,
-    SharePlan,
-    accountant_kind,
-    accounting_delta,
-    central_grid,
-    ledger_parts,
-)
+from fedpriv.server.discrete import SharePlan, accountant_kind, accounting_delta, ledger_parts
 
 
 class BudgetExceededError(InfeasiblePlanError):

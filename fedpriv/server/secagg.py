@@ -28,7 +28,6 @@ import json
 import math
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,8 +72,8 @@ def check_threshold(config: RunConfig, nodes: int) -> int:
 
 @dataclass
 class SecureOutcome:
-    """A secure round: the sum over the surviving nodes (ring vectors per part; counts and
-    metrics), who survived, who was lost where, and what the round cost."""
+    """A secure round: the sum over the surviving nodes (ring vectors per part; the public
+    counts), who survived, who was lost where, and what the round cost."""
 
     total: UserContribution
     survivors: list[int]
@@ -150,8 +149,8 @@ class SecureRound:
                  "history-labels": list(self.history), "history-rho": [
                      float(r) for r in self.history.values()], **self.arrays}
         keys = self._send("setup", {n: setup for n in self.nodes})
-        names = self._metric_names(keys)
-        layout = own_layout(self.step, params, names)
+        self._check_keys(keys)
+        layout = own_layout(self.step, params)
         u1 = sorted(keys)
         self._enough(u1, "setup")
         c_pks, s_pks = [keys[n]["c-pk"] for n in u1], [keys[n]["s-pk"] for n in u1]
@@ -191,35 +190,21 @@ class SecureRound:
         revealed = self._send("unmask", {n: {**base, "active": u3, "dropped": dropped}
                                          for n in u3})
         total = self._unmask(layout, u1, s_pks, u3, dropped, vectors, revealed, digests)
-        n_users, n_clipped, metrics = read_counts(layout.split(total)[COUNTS], names)
+        n_users, n_clipped = read_counts(layout.split(total)[COUNTS])
         totals = {k: v for k, v in layout.split(total).items() if k != COUNTS}
-        contrib = UserContribution(totals, n_users, n_clipped,
-                                   metrics if self.step.is_final else None)
+        contrib = UserContribution(totals, n_users, n_clipped)
         return SecureOutcome(contrib, u3, self.failures, self.sent, self.received,
                              self.seconds)
 
-    def _metric_names(self, keys: dict[int, Mapping[str, Any]]) -> list[str]:
-        """The metric names of a final step (public: the algorithm's): the most common list;
-        a node that sends others, or unusable keys, is left out of the round."""
-        parsed: dict[int, tuple[str, ...]] = {}
+    def _check_keys(self, keys: dict[int, Mapping[str, Any]]) -> None:
+        """Leave out of the round a node whose setup reply holds unusable public keys."""
         for n, reply in sorted(keys.items()):
             try:
                 C.public_key(bytes(reply["c-pk"]))
                 C.public_key(bytes(reply["s-pk"]))
-                names = json.loads(str(reply["metric-names"]))
-                if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-                    raise ValueError("metric names are not a list of strings")
-                parsed[n] = tuple(names)
             except Exception as err:  # noqa: BLE001
                 self._drop(n, "setup", f"malformed keys: {err!r}")
-        common = Counter(parsed.values()).most_common(1)
-        chosen = list(common[0][0]) if common else []
-        for n, names in parsed.items():
-            if list(names) != chosen:
-                self._drop(n, "setup", f"metric names {list(names)} differ from {chosen}")
-        for n in [n for n in keys if n not in parsed or list(parsed[n]) != chosen]:
-            keys.pop(n)
-        return chosen
+                keys.pop(n)
 
     def _unmask(self, layout: C.Layout, u1: list[int], s_pks: list[bytes], u3: list[int],
                 dropped: list[int], vectors: Mapping[int, np.ndarray],
