@@ -1,7 +1,7 @@
 """``fedpriv`` command line, the top of the package: it imports the commands, nothing imports it.
 
     fedpriv run CONFIG.toml [--set key=value ...] [--out results.json] [--engine flower|inprocess]
-                [--resume] [--keep-superlink] [--ray-address HOST:PORT]
+                [--resume] [--overwrite] [--keep-superlink] [--ray-address HOST:PORT]
     fedpriv sweep SWEEP.toml [--set key=value ...] [--out DIR] [--jobs N] [--plot PNG]
                 [--engine inprocess|flower]
     fedpriv tune CONFIG.toml [--set key=value ...] [--out DIR] [--engine inprocess|flower]
@@ -19,114 +19,20 @@ sub-commands (a real SuperLink + SuperNodes deployment, docker-compose) are inst
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from fedpriv.config import ConfigError, default_mapping
+from fedpriv.config import ConfigError
 from fedpriv.config_files import load_run_config, parse_overrides
 from fedpriv.configure import parse_config
 from fedpriv.deploy import cli as deploy_cli
-from fedpriv.launcher import run_flower
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from fedpriv import checkpoint
-    from fedpriv.engine import run_in_process
-    from fedpriv.outputs import output_lines, release_path, run_files, write_outputs
-    from fedpriv.privacy.accounting import InfeasiblePlanError
-    from fedpriv.registry import get_algorithm
-    from fedpriv.server import check_run, silent_run, summary_lines
-
-    try:
-        if args.ray_address and args.engine != "flower":
-            raise ConfigError("--ray-address attaches Flower's simulation engine to a Ray "
-                              "cluster: it needs --engine flower")
-        values = load_run_config(args.config, args.set or [])
-        if args.resume:
-            values["resume"] = True
-        if args.out:
-            values["results-path"] = args.out
-        elif not args.resume:
-            default = default_mapping()["results-path"]
-            if values["results-path"] == default:  # the user named no path
-                values["results-path"] = str(unused_results_path(default))
-        config = parse_config(values, strict=True)
-        # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
-        out = Path(config.results_path).expanduser().resolve()
-        ckpt = checkpoint.checkpoint_path(config) if config.checkpoint else None
-        values.update({"results-path": str(out), "checkpoint-path": str(ckpt or "")})
-        config = parse_config(values, strict=True)
-        check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
-        get_algorithm(config.algorithm).check_inputs(config)  # e.g. every cell of a data file
-    except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
-        print(f"fedpriv: invalid config: {err}", file=sys.stderr)
-        return 2
-    for note in get_algorithm(config.algorithm).input_notes(config):
-        print(f"fedpriv: {note}", file=sys.stderr)
-    for stale in run_files(out):
-        if stale.exists():
-            stale.unlink()  # never report a stale file as this run's result
-    if args.engine == "inprocess":
-        from fedpriv.data.sources import DatasetError
-
-        try:
-            results = run_in_process(config, checkpoint_path=ckpt)
-        except (ConfigError, DatasetError) as err:  # found only once the users' data is read
-            print(f"fedpriv: the run stopped: {err}", file=sys.stderr)
-            if ckpt is not None and ckpt.exists():
-                print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)})",
-                      file=sys.stderr)
-            return 2
-        report, release = write_outputs(results, out)
-        if ckpt is not None:
-            checkpoint.remove(ckpt)  # the results file is now the record of the run
-        print("\n".join(summary_lines(results)))
-        print("\n".join(output_lines(report, release, results)))
-        return _silent(silent_run(results))
-    code = run_flower(config, values, out, args.keep_superlink, ray_address=args.ray_address)
-    if code == 0 and not release_path(out).is_file():
-        print(f"fedpriv: the run wrote {out} but no release beside it", file=sys.stderr)
-        code = 1
-    if code == 0:
-        code = _silent(silent_run(json.loads(out.read_text())))
-    if code != 0 and ckpt is not None and ckpt.exists():
-        print(f"fedpriv: a checkpoint is at {ckpt} ({checkpoint.describe(ckpt)}); continue "
-              f"with: fedpriv run ... --resume --out {out}", file=sys.stderr)
-    return code
-
-
-def unused_results_path(default: str) -> Path:
-    """The default operator report path, or where an earlier run's report is there the first
-    of ``<name>-2.json``, ``<name>-3.json``, ... that no run has written: a run the user did
-    not name never replaces another run's files (``--out`` names it)."""
-    from fedpriv import checkpoint
-    from fedpriv.outputs import run_files
-
-    path = Path(default)
-    for n in range(1, 10_000):
-        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
-        taken = [f for f in run_files(candidate) if f.exists()]
-        if not taken and not candidate.with_suffix(checkpoint.SUFFIX).exists():
-            if n > 1:
-                print(f"fedpriv: {path} holds an earlier run's report; this run writes "
-                      f"{candidate} (name it with --out)", file=sys.stderr)
-            return candidate
-    raise ConfigError(f"results-path: {path} and 9,999 numbered variants are taken; name this "
-                      "run's report with --out")
-
-
-def _silent(message: str | None) -> int:
-    """Exit status 1, with the message, for a run that no node answered; else 0."""
-    if message is None:
-        return 0
-    print(f"fedpriv: {message}", file=sys.stderr)
-    return 1
+from fedpriv.run_command import cmd_run, start_clock
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fedpriv import sweep, sweep_figure
+    from fedpriv import sweep
 
     try:
         overrides = parse_overrides(args.set or [])
@@ -136,7 +42,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"fedpriv: invalid sweep: {err}", file=sys.stderr)
         return 2
+    from fedpriv.outputs import FOLDER_CLAIM, OutputTaken, claim_folder, unclaim
+
     out = Path(args.out or Path("results") / "sweeps" / spec.name).expanduser().resolve()
+    try:  # finished runs in it are reused, never rewritten; two sweeps never share it
+        out = claim_folder(out, None, named=bool(args.out))
+    except OutputTaken as err:
+        print(f"fedpriv: sweep not started: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _sweep_claimed(args, spec, out)
+    finally:
+        unclaim(out / FOLDER_CLAIM)
+
+
+def _sweep_claimed(args: argparse.Namespace, spec: Any, out: Path) -> int:
+    from fedpriv import sweep, sweep_figure
+
     jobs = args.jobs if args.jobs > 0 else (os.cpu_count() or 1)
     try:
         rows = sweep.run_sweep(spec, out, jobs=1 if args.engine == "flower" else jobs,
@@ -166,6 +88,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from fedpriv.outputs import FOLDER_CLAIM, OutputTaken, claim_folder, unclaim
     from fedpriv.privacy.accounting import InfeasiblePlanError
     from fedpriv.tuning.run import run_tuning, table_lines
     from fedpriv.tuning.spec import load_tune
@@ -175,11 +98,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
               "calibrated)", flush=True)
         spec = load_tune(args.config, args.set or [])
         out = Path(args.out or Path("results") / "tune" / spec.name).expanduser().resolve()
+        out = claim_folder(out, "tuning-report.json", named=bool(args.out),
+                           replace=args.overwrite)
+    except OutputTaken as err:
+        print(f"fedpriv: tuning not started: {err}; name another folder with --out, or pass "
+              "--overwrite to replace it", file=sys.stderr)
+        return 2
+    except (ConfigError, InfeasiblePlanError) as err:
+        print(f"fedpriv: invalid tuning: {err}", file=sys.stderr)
+        return 2
+    try:
         report = run_tuning(spec, out, engine=args.engine,
                             log=lambda line: print(line, flush=True))
     except (ConfigError, InfeasiblePlanError) as err:
         print(f"fedpriv: invalid tuning: {err}", file=sys.stderr)
         return 2
+    finally:
+        unclaim(out / FOLDER_CLAIM)
     print("\n".join(table_lines(report, spec.score, spec.maximize)))
     t = report["tuning"]
     print(f"fedpriv tune {spec.name}: {report['candidates_run']} candidates; the whole tuning "
@@ -323,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="flower: Flower simulation engine (default); inprocess: no Flower")
     run.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from its checkpoint (same config)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the results already at --out (default: refused; a run "
+                          "never writes over another run's results)")
     run.add_argument("--keep-superlink", action="store_true",
                      help="leave the run's local SuperLink running (its port and PID are "
                           "printed)")
@@ -350,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override a base key, or a [tune] key as tune.KEY=VALUE")
     tu.add_argument("--out", help="output folder (default: results/tune/<name>)")
+    tu.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier tuning's results in --out (default: refused)")
     tu.add_argument("--engine", choices=("inprocess", "flower"), default="inprocess",
                     help="inprocess (default) or flower (one SuperLink and Ray instance for "
                          "every candidate)")
@@ -395,9 +335,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+GUARDED = ("run", "sweep", "tune", "submit")
+"""Commands that start processes: each runs inside a ``fedpriv.stopping.RunGuard``."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    from fedpriv.stopping import Interrupted, RunGuard
+
+    start_clock(from_process_start=argv is None)
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    if args.command not in GUARDED and getattr(args, "deploy_command", None) not in GUARDED:
+        return int(args.func(args))
+    try:
+        with RunGuard():
+            return int(args.func(args))
+    except Interrupted as signalled:  # stopped by the guard on its way out
+        kept = {"sweep": "; the runs finished so far are kept, and the same command reuses "
+                         "them"}.get(args.command, "")
+        print(f"fedpriv: {args.command} stopped by {signalled.args[0]}; every process it "
+              f"started is stopped{kept}", file=sys.stderr)
+        return 128 + signalled.signum
 
 
 if __name__ == "__main__":

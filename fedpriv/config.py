@@ -79,7 +79,7 @@ class RunConfig:
         "users-per-node", int, 0, "users per SuperNode; 0 = auto (<= 10 nodes, cohorts >= 100 "
         "users); 1 = one device per user", non_negative, "an integer >= 0", resumable=True))
     results_path: str = key(Param(
-        "results-path", str, "results/fedpriv-operator-report.json", "the operator report "
+        "results-path", str, "results/run.operator.json", "the operator report "
         "(exact; not private); the release goes beside it as <name>.release.json",
         resumable=True, public=False))
     node_timeout: float = key(Param(

@@ -11,6 +11,8 @@ without importing each other.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import tomllib
 from collections.abc import Iterable
@@ -51,7 +53,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         try:
             return tomllib.load(fh)
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+            raise ConfigError(toml_error(path, err)) from None
+
+
+_WHERE = re.compile(r"^(?P<what>.*?)\s*\(at line (?P<line>\d+), column (?P<column>\d+)\)$",
+                    re.DOTALL)
+
+
+def toml_error(path: str | os.PathLike[str], err: tomllib.TOMLDecodeError) -> str:
+    """A TOML syntax error as ``FILE:LINE:COLUMN: not valid TOML: WHAT`` (the form editors and
+    terminals link to), from tomllib's ``WHAT (at line L, column C)``; an error at the end of
+    the document keeps tomllib's own words for where."""
+    found = _WHERE.match(str(err))
+    if found is None:
+        return f"{path}: not valid TOML: {err}"
+    return f"{path}:{found['line']}:{found['column']}: not valid TOML: {found['what']}"
 
 
 def load_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:

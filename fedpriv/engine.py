@@ -16,6 +16,7 @@ from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import RunConfig
 from fedpriv.faults import corrupted, failing_partitions
 from fedpriv.nodes import add_contributions, auto_num_nodes, node_step, simulated_metrics
+from fedpriv.progress import StepProgress
 from fedpriv.secagg.local import LocalNodes
 from fedpriv.server import NodeReply, PrivateServer
 from fedpriv.server.secagg import SecureRound
@@ -48,7 +49,9 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
                 continue
             failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
             replies = []
+            progress = StepProgress(step.label, parts, log)
             for p in range(parts):
+                progress.done(p)
                 if p in failing and config.node_fault_kind in ("crash", "timeout"):
                     replies.append(simulated_failure(p, config.node_fault_kind))
                     continue

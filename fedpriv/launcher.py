@@ -27,6 +27,8 @@ from fedpriv.config_files import app_config_keys, for_flower, toml_value
 from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
 from fedpriv.nodes import auto_num_nodes
+from fedpriv.outputs import unclaim
+from fedpriv.stopping import keep_running, process_tree, run_folder
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 """Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""
@@ -87,6 +89,7 @@ def stop_local_superlink(port: int) -> None:
 
 
 NO_RUNTIME_INSTALL = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
+
 
 
 def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
@@ -223,7 +226,7 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
     that ``flwr run`` starts and by its simulation process) instead of starting a Ray
     instance of its own. ``session``: one of several runs sharing the session's SuperLink and
     Ray head."""
-    with tempfile.TemporaryDirectory(prefix="fedpriv-run-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fedpriv-run-", dir=run_folder()) as tmp:
         if session is not None and session.link is not None:
             link, keep_superlink = session.link, True
             started_here = session.ray_address is not None and not link.running()
@@ -239,6 +242,10 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         if env.get("PYTHONPATH"):  # the apps run in other folders: `PYTHONPATH=.` means here
             env["PYTHONPATH"] = os.pathsep.join(
                 str(Path(p).resolve()) if p else p for p in env["PYTHONPATH"].split(os.pathsep))
+        folder = run_folder()
+        if folder and not ray_address and started_here and not keep_superlink:
+            # Ray's session files: the run's own, removed with its folder
+            env.setdefault("RAY_TMPDIR", folder)
         if ray_address:
             if not started_here:
                 print(f"fedpriv: --ray-address needs a fresh local SuperLink, but the one named "
@@ -246,13 +253,37 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
                       "instance); stop it first", file=sys.stderr)
                 return 2
             env["RAY_ADDRESS"] = ray_address
+        if not started_here and session is None:
+            # a SuperLink already running does not carry this command's token (the claim's
+            # proof of ownership): its ServerApp would take the claim for another run's
+            unclaim(out)
         code = _flwr_run(config, values, out, env, link, quiet, tmp, session,
                          stop=started_here and not keep_superlink, ray_address=ray_address)
     if code == 0 and started_here and keep_superlink and session is None:
+        kept = _listening_pid(link.port)
+        keep_running(process_tree(kept) if kept else set())
         print(f"fedpriv: the local SuperLink keeps running on 127.0.0.1:{link.port} "
               f"(FLWR_HOME={link.home or os.environ.get('FLWR_HOME', '~/.flwr')}); stop it "
               f"with: kill {_listening_pid(link.port) or '<its PID>'}", file=sys.stderr)
     return code
+
+
+NOISE = ("default simulated SuperNodes changed", "To change federation size",
+         "flwr federation simulation-config", "Flower configuration not found",
+         "Successfully installed fedpriv to", "Manually terminating ClientAppActor",
+         "warnings.warn(", "Starting logstream for run_id",
+         "FutureWarning: Tip: In future versions of Ray, Ray will no longer override")
+"""Lines of ``flwr run``'s stream that say nothing about the run to a fedpriv user: Flower's
+note on its default federation size (fedpriv sets the size: ``num-supernodes``), its app
+installation in the run's private ``FLWR_HOME``, Ray's shutdown of the actors, and Ray's
+warning on a coming change of GPU visibility (filtered, not silenced with Ray's variable
+``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0``, which would show every CPU actor the GPUs now)."""
+
+
+def flower_noise(line: str) -> bool:
+    """Whether ``line`` of ``flwr run``'s output is noise (``NOISE``), or an empty log line."""
+    text = line.strip()
+    return any(n in text for n in NOISE) or text in ("", "\x1b[92mINFO \x1b[0m:")
 
 
 def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[str, str],
@@ -287,15 +318,26 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     try:
         # a SuperLink that outlives this run must not start in this run's temp folder
         workdir = session.workdir if session is not None and session.workdir else tmp
-        proc = subprocess.run(cmd, cwd=workdir, check=False, env=env,
-                              stdout=subprocess.DEVNULL if quiet else None,
-                              stderr=subprocess.DEVNULL if quiet else None)
+        # a session of its own: a terminal's Ctrl-C reaches fedpriv alone, which then stops
+        # every process of the run by PID (fedpriv.stopping), the SuperLink's included
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace")
     except FileNotFoundError:
         print(f"fedpriv: Flower's `flwr` command was found neither beside {sys.executable} "
               "nor on PATH: install fedpriv's dependencies in this environment "
               "(pip install -e .)", file=sys.stderr)
         return 1
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not quiet and not flower_noise(line):
+                print(line, end="", flush=True)
+        proc.wait()
     finally:
+        if proc.poll() is None:  # interrupted: fedpriv.stopping stops the rest
+            proc.kill()
+            proc.wait()
         if stop:
             link.stop()
     if proc.returncode != 0 or not out.is_file():

@@ -18,6 +18,19 @@ from pathlib import Path
 from typing import Any
 
 CURVE_SUFFIX = ".curve.png"
+OPERATOR_SUFFIX = ".operator.json"
+"""How a run's operator report is named by default: ``<name>.operator.json``."""
+
+
+def run_stem(results_path: str | os.PathLike[str]) -> Path:
+    """A run's name, from the path of its operator report: ``results/run.operator.json`` and
+    ``results/run.json`` are both the run ``results/run``; its other files are named from it
+    (``<name>.release.json``, ``<name>.curve.png``)."""
+    p = Path(results_path)
+    for suffix in (OPERATOR_SUFFIX, ".json"):
+        if p.name.endswith(suffix) and len(p.name) > len(suffix):
+            return p.with_name(p.name[:-len(suffix)])
+    return p.with_name(p.stem)
 CURVE_METRICS = ("accuracy", "accuracy_p10", "test_loss")  # what a point carries
 # the two panels: (axis title, its lines as (metric, label))
 _PANELS = (("per-user test accuracy", (("accuracy", "mean user"),
@@ -27,8 +40,8 @@ _PANELS = (("per-user test accuracy", (("accuracy", "mean user"),
 
 def curve_path(results_path: str | os.PathLike[str]) -> Path:
     """Where the learning curve of a run whose operator report is at ``results_path`` goes."""
-    p = Path(results_path)
-    return p.with_name(p.stem + CURVE_SUFFIX)
+    stem = run_stem(results_path)
+    return stem.with_name(stem.name + CURVE_SUFFIX)
 
 
 def curve_points(report: Mapping[str, Any]) -> list[dict[str, Any]]:

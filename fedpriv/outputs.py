@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpriv.learning_curve import curve_path, curve_points, plot_curve
+from fedpriv.learning_curve import curve_path, curve_points, plot_curve, run_stem
+from fedpriv.stopping import TOKEN_ENV
 
 RELEASE_SUFFIX = ".release.json"
 OPERATOR_DOCUMENT = ("fedpriv OPERATOR REPORT: exact metrics, per-round counts, timings and seeds "
@@ -50,9 +52,10 @@ def public_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def release_path(results_path: str | os.PathLike[str]) -> Path:
-    """Where the release of a run whose operator report is at ``results_path`` goes."""
-    p = Path(results_path)
-    return p.with_name(p.stem + RELEASE_SUFFIX)
+    """Where the release of a run whose operator report is at ``results_path`` goes:
+    ``<name>.release.json`` beside ``<name>.operator.json`` (or ``<name>.json``)."""
+    stem = run_stem(results_path)
+    return stem.with_name(stem.name + RELEASE_SUFFIX)
 
 
 def run_files(results_path: str | os.PathLike[str]) -> tuple[Path, Path, Path]:
@@ -66,16 +69,18 @@ def publishable(report: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether the release of this run may be published, and if not, why."""
     privacy = report["privacy"]
     if privacy["epsilon"] is None:
-        return False, ("a non-private baseline: its sums were released without noise, so its "
+        return False, ("non-private baseline: its sums were released without noise, so its "
                        "model is not private")
     if privacy["ledger"] and privacy["noise"] != "os-entropy":
-        return False, ("the privacy noise is seeded (from seed / noise-seed, which the operator "
-                       "report records): anyone with the seed can regenerate the noise and "
-                       "subtract it. Rerun with secure-noise = true to publish")
+        return False, ("seeded noise — rerun with secure-noise = true to publish: the privacy "
+                       "noise is drawn from seed / noise-seed, which the operator report "
+                       "records, so anyone with the seed can regenerate the noise and subtract "
+                       "it")
     if any(e.get("sampling_rate", 1.0) < 1.0 for e in privacy["ledger"]):
-        return False, ("the Poisson sample of users is drawn from the run seed (which the "
-                       "operator report records), and the accounted epsilon assumes the sample "
-                       "is secret; a release of a Poisson-sampled run is not publishable yet")
+        return False, ("seeded Poisson sample: the sample of users is drawn from the run seed "
+                       "(which the operator report records), and the accounted epsilon assumes "
+                       "the sample is secret; a release of a Poisson-sampled run is not "
+                       "publishable yet")
     return True, ""
 
 
@@ -104,8 +109,26 @@ def write_outputs(report: Mapping[str, Any],
     """Write the operator report to ``path`` and the release beside it, atomically; returns
     (operator report, release) as absolute paths. A run with ``eval-every`` also gets its
     learning curve beside the operator report (``fedpriv.learning_curve``: exact, operator
-    only)."""
+    only).
+
+    Never over another run's files: where ``path`` holds a run's files already, or another
+    live run claimed it (``claim``), the outputs go to the first free numbered name
+    (``<name>-2.operator.json``, ...), and a line on stderr says so."""
     target = Path(path).expanduser().resolve()
+    try:
+        mine = claim(target)
+    except OutputTaken:
+        target, mine = claim_free(target), True
+        print(f"fedpriv: {path} holds another run's results; this run's go to {target}",
+              file=sys.stderr, flush=True)
+    try:
+        return _write_outputs(report, target)
+    finally:
+        if mine:
+            unclaim(target)
+
+
+def _write_outputs(report: Mapping[str, Any], target: Path) -> tuple[Path, Path]:
     released = release_path(target)
     operator = {"document": OPERATOR_DOCUMENT.format(release=released.name),
                 **{k: v for k, v in report.items() if k != "document"}}
@@ -117,11 +140,13 @@ def write_outputs(report: Mapping[str, Any],
 
 
 def output_lines(report_path: Path, release: Path, report: Mapping[str, Any]) -> list[str]:
-    """What ``fedpriv run`` prints at the end: which file is which."""
+    """What ``fedpriv run`` prints at the end: which file is which. A release that is not
+    publishable says why in a few words (the head of ``publishable``'s reason, before its first
+    colon); the whole reason is in the release's ``not_publishable_because``."""
     ok, why = publishable(report)
-    state = "publishable" if ok else f"NOT publishable: {why}"
+    state = "publishable" if ok else f"NOT publishable: {why.split(':', 1)[0]}"
     lines = [f"fedpriv: operator report (exact, not private; do not publish): {report_path}",
-             f"fedpriv: release (what may leave the server; {state}): {release}"]
+             f"fedpriv: release (public config, ledger, model; {state}): {release}"]
     if curve_points(report):
         lines.append("fedpriv: learning curve (exact metrics, not private; do not publish): "
                      f"{curve_path(report_path)}")
@@ -135,3 +160,109 @@ def _write_json(target: Path, data: Mapping[str, Any]) -> None:
     # the first line says what the file is: {"document": "...",
     tmp.write_text("{" + text[1:].lstrip() if text.startswith("{\n") else text)
     os.replace(tmp, target)
+
+
+# ----- claims: no run writes over another run's results ---------------------------------------
+class OutputTaken(ValueError):
+    """A run's output names are taken: its files exist, or a live run claimed them."""
+
+
+def _claim_file(path: Path) -> Path:
+    stem = run_stem(path)
+    return stem.with_name(f".{stem.name}.claim")
+
+
+def _claimant(path: Path) -> tuple[int, str] | None:
+    """(pid, token) of the live run that claimed ``path``'s names, or None."""
+    try:
+        pid, token = _claim_file(path).read_text().split()
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        return None  # no claim, an unreadable one, or its run is gone: a stale claim
+    return int(pid), token
+
+
+def claim(path: str | os.PathLike[str], replace: bool = False) -> bool:
+    """Claim the output names of the run whose operator report is ``path``, atomically
+    (``O_EXCL``): True if this call made the claim, False if this command's run (its
+    ``FEDPRIV_RUN_TOKEN``: ``fedpriv run`` claims before Flower's ServerApp writes) holds it.
+    Raises ``OutputTaken`` where a run's files are there already (unless ``replace``) or
+    another live run holds the claim. A claim whose run is gone (killed) is taken over."""
+    target = Path(path)
+    token = os.environ.get(TOKEN_ENV, "-")
+    holder = _claimant(target)
+    if holder is not None and (holder[0] == os.getpid() or holder[1] == token != "-"):
+        return False
+    if holder is not None:
+        raise OutputTaken(f"{target}: another run (pid {holder[0]}) is writing these results")
+    existing = [f for f in run_files(target) if f.exists()]
+    if existing and not replace:
+        raise OutputTaken(f"{existing[0]} holds an earlier run's results")
+    marker = _claim_file(target)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{os.getpid()} {token}\n")
+    try:
+        for _ in range(2):
+            try:
+                os.link(tmp, marker)  # created with its content, or not at all
+                break
+            except FileExistsError:
+                if _claimant(target) is not None:
+                    raise OutputTaken(f"{target}: another run is writing these results"
+                                      ) from None
+                marker.unlink(missing_ok=True)  # a claim whose run is gone: stale
+        else:
+            raise OutputTaken(f"{target}: another run is writing these results")
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def claim_free(path: str | os.PathLike[str]) -> Path:
+    """Claim ``path``, or the first of ``<name>-2``, ``<name>-3``, ... that no run has written
+    or claimed; returns the claimed operator report path."""
+    p = Path(path)
+    stem = run_stem(p)
+    suffix = p.name[len(stem.name):]
+    for n in range(1, 10_000):
+        candidate = p if n == 1 else stem.with_name(f"{stem.name}-{n}{suffix}")
+        if candidate.with_suffix(".checkpoint").exists():
+            continue  # an interrupted run's: it resumes to its own name
+        try:
+            if claim(candidate):
+                return candidate
+        except OutputTaken:
+            continue
+    raise OutputTaken(f"{p} and 9,999 numbered variants are taken; name the results")
+
+
+def unclaim(path: str | os.PathLike[str]) -> None:
+    """Give up this process's claim on ``path``'s names (its files, if written, stay)."""
+    holder = _claimant(Path(path))
+    if holder is None or holder[0] == os.getpid():
+        _claim_file(Path(path)).unlink(missing_ok=True)
+
+
+def claim_folder(folder: Path, finished: str | None, named: bool, replace: bool = False) -> Path:
+    """Claim an output folder (a sweep's, a tuning's) for this command, atomically; returns
+    the folder claimed (``unclaim(folder / FOLDER_CLAIM)`` gives it up). A folder another live
+    command claimed is refused where the user ``named`` it, else the next of ``<folder>-2``,
+    ``-3``, ... is taken; so is one holding an earlier command's ``finished`` file (None: the
+    folder's files are reused, never rewritten: a sweep's runs), unless ``replace``."""
+    for n in range(1, 10_000):
+        candidate = folder if n == 1 else folder.with_name(f"{folder.name}-{n}")
+        try:
+            if finished is not None and (candidate / finished).exists() and not replace:
+                raise OutputTaken(f"{candidate} holds an earlier run's results "
+                                  f"({finished})")
+            claim(candidate / FOLDER_CLAIM)
+            return candidate
+        except OutputTaken:
+            if named:
+                raise
+    raise OutputTaken(f"{folder} and 9,999 numbered variants are taken; name the folder")
+
+
+FOLDER_CLAIM = "folder.json"
+"""The name a folder's claim is made for (``claim``): ``.folder.claim`` in the folder."""

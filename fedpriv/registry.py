@@ -10,6 +10,7 @@ class programmatically (tests, notebooks).
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -90,5 +91,14 @@ def get_algorithm(name: str) -> type[Algorithm[Any]]:
     if name in _FAILED:
         raise KeyError(_FAILED[name])
     if name not in _REGISTRY:
-        raise KeyError(f"unknown algorithm {name!r}; registered: {sorted(_REGISTRY)}")
+        raise KeyError(unknown_algorithm(name))
     return _REGISTRY[name]
+
+
+def unknown_algorithm(name: str) -> str:
+    """The message for an algorithm name nobody registered: the closest registered name (a
+    likely typo) first, then every registered one."""
+    known = sorted({*_REGISTRY, *_FAILED})
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown algorithm {name!r}{hint} (registered: {', '.join(sorted(_REGISTRY))})"

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import signal
 import time
 import tomllib
 from collections.abc import Callable
@@ -48,10 +49,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpriv.config import ConfigError, RunConfig, default_mapping
+from fedpriv.config_files import toml_error
 from fedpriv.configure import algorithm_params, declared_keys, parse_config, select_keys
 from fedpriv.evaluation import algorithm_for
 from fedpriv.privacy.accounting import InfeasiblePlanError
 from fedpriv.server.report import measured_metrics
+from fedpriv.sweep_cache import reusable, set_aside
 
 if TYPE_CHECKING:
     from fedpriv.launcher import FlowerSession
@@ -112,7 +115,7 @@ def load_sweep(path: str | os.PathLike[str], overrides: dict[str, Any] | None = 
         try:
             raw = tomllib.load(fh)
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+            raise ConfigError(toml_error(path, err)) from None
     unknown = sorted(set(raw) - {"sweep", "base", "series"})
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; expected [sweep], [base], "
@@ -295,20 +298,6 @@ def _run_flower(values: dict[str, Any], path: str,
     return results
 
 
-def _reusable(path: Path, values: dict[str, Any]) -> dict[str, Any] | None:
-    """A finished run from an earlier invocation with exactly this config, if any."""
-    if not path.is_file():
-        return None
-    try:
-        results: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    wanted = parse_config(values).to_mapping()
-    stored = dict(results.get("config", {}))
-    wanted.pop("results-path"), stored.pop("results-path", None)
-    return results if stored == wanted else None
-
-
 def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inprocess",
               log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every run of the sweep (reusing finished ones); returns the table rows."""
@@ -318,11 +307,15 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
     todo: list[tuple[Run, Path]] = []
     for run in spec.runs:
         path = runs_dir / f"{run.slug}.json"
-        previous = _reusable(path, run.values)
+        previous = reusable(path, run.values)
         if previous is not None:
             results[run] = previous
         else:
             todo.append((run, path))
+    aside = [path for _, path in todo if set_aside(path)]
+    if aside:
+        log(f"fedpriv sweep {spec.name}: {len(aside)} runs of an earlier config moved to "
+            f"{runs_dir / 'replaced'} (never overwritten)")
     shares = sorted({run.series for run, _ in todo if parse_config(run.values).noise_shares})
     if engine == "flower" and shares:
         raise ConfigError(f"[sweep] engine: series {shares} run distributed or secure noise, "
@@ -375,7 +368,8 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
             os.environ.setdefault(var, value)
         import multiprocessing
 
-        with ProcessPoolExecutor(max_workers=jobs,
+        with ProcessPoolExecutor(max_workers=jobs, initializer=signal.signal,
+                                 initargs=(signal.SIGINT, signal.SIG_IGN),  # Ctrl-C: ours
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(_run_one, run.values, str(path)): run for run, path in todo}
             try:
@@ -383,6 +377,12 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
                     run = futures[future]
                     results[run] = future.result()
                     report(run, results[run])
+            except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the running runs stopped, not awaited
+                from fedpriv.stopping import stop_started
+
+                stop_started()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)  # the runs not started: dropped
                 raise

@@ -24,6 +24,7 @@ from clients.records import from_records, to_records
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import RunConfig
+from fedpriv.progress import Waiting
 from fedpriv.secagg.node import Failure
 from fedpriv.server import NodeReply, PrivateServer, summary_lines
 from fedpriv.server.secagg import Reply, SecureRound
@@ -212,6 +213,7 @@ class PrivateStrategy(Strategy):
                                   for k, v in self.server.payload(step).items()})
             config = ConfigRecord({P.KEY_STEP: step.to_json()})
             messages = list(self.configure_train(number, arrays, config, grid))
-            replies = grid.send_and_receive(messages, timeout=self.config.node_timeout)
+            with Waiting(step.label, len(messages), _log):
+                replies = grid.send_and_receive(messages, timeout=self.config.node_timeout)
             self.aggregate_train(number, replies)
         return self.server.results(time.perf_counter() - started, runtime="flower")

@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedpriv.checkpoint import checkpoint_path
 from fedpriv.configure import parse_config
 from fedpriv.outputs import output_lines, write_outputs
-from fedpriv.server import summary_lines
+from fedpriv.server import plan_lines, summary_lines
 from strategies.private import PrivateStrategy, discover_partitions
 
 app = ServerApp()
@@ -28,8 +28,8 @@ def main(grid: Grid, context: Context) -> None:
     discovered_unix = time.time()
     checkpoint = checkpoint_path(config) if config.checkpoint else None
     strategy = PrivateStrategy(config, partitions, checkpoint_path=checkpoint)
-    print("fedpriv: noise multipliers " + ", ".join(
-        f"{k}={v:.4g}" for k, v in strategy.server.multipliers.items()), flush=True)
+    for line in plan_lines(strategy.server.multipliers, strategy.server.pure_epsilons):
+        print(line, flush=True)  # none for a run without noise
     results = strategy.run(grid)
     results["wall_time_s"] = time.perf_counter() - started
     results["profile"] = {"serverapp_started_unix": started_unix,

@@ -616,3 +616,33 @@ def test_supernodes_read_only_their_own_users_rows_of_their_own_data_file(proces
                                                           abs=1e-6)
     assert flower["metrics"]["accuracy"] > 0.5
     assert [e["release"] for e in flower["privacy"]["ledger"]] == ["round-1", "round-2"]
+
+
+@pytest.mark.integration
+def test_ctrl_c_on_submit_stops_the_run_on_the_superlink(processes):
+    """`fedpriv deploy submit` interrupted (Ctrl-C to its process group) while the ServerApp
+    holds after step 2: the command stops the run on the SuperLink (`flwr stop`), so the
+    ServerApp ends and no further step is released; one line says so, no traceback."""
+    from fedpriv import checkpoint
+
+    processes.env[checkpoint.PAUSE_ENV] = "2"  # the SuperLink's ServerApp inherits it
+    d = dep.Deployment(num_nodes=2, superlink_host="127.0.0.1", bind_host="127.0.0.1",
+                       superlink_port=_free_port(),
+                       node_ports=tuple(_free_port() for _ in range(2)), certs=None,
+                       mounted=False, app_dir=str(ROOT))
+    _start_superlink(processes, d, None)
+    for i in range(d.num_nodes):
+        processes.start(f"supernode-{i}", dep.supernode_command(d, i))
+    results = processes.short / "results" / "run.json"
+    ckpt = results.with_suffix(".checkpoint")
+    submit = processes.start("submit", _python(dep.submit_command(d, str(results), SETTINGS)))
+    _wait(lambda: submit.poll() is not None or (
+        ckpt.exists() and checkpoint.load(ckpt)["completed"] == 2), 240, "step 2")
+    server = checkpoint.load(ckpt)["pid"]
+    os.killpg(submit.pid, signal.SIGINT)
+    assert submit.wait(timeout=90) == 128 + signal.SIGINT, processes.tails()
+    text = processes.log("submit")
+    assert "stopped on the SuperLink" in text and "Traceback" not in text, text[-3000:]
+    _wait(lambda: not _alive(server), 60, "the ServerApp to end")
+    time.sleep(2.0)
+    assert checkpoint.load(ckpt)["completed"] == 2 and not results.exists()

@@ -101,11 +101,16 @@ def test_a_run_without_out_never_replaces_an_earlier_runs_report(tmp_path, monke
     args = ["run", "--engine", "inprocess", "--set", "num-users=300", "--set", "rounds=1"]
     assert main(args) == 0 and main(args) == 0
     results = tmp_path / "results"
-    assert (results / "fedpriv-operator-report.json").is_file()
-    assert (results / "fedpriv-operator-report-2.json").is_file()
-    assert (results / "fedpriv-operator-report-2.release.json").is_file()
-    assert "holds an earlier run's report; this run writes" in capsys.readouterr().err
-    assert main([*args, "--out", str(results / "fedpriv-operator-report.json")]) == 0  # named
+    assert (results / "run.operator.json").is_file()
+    assert (results / "run-2.operator.json").is_file()
+    assert (results / "run-2.release.json").is_file()
+    assert "holds an earlier run's results; this run writes run-2" in capsys.readouterr().err
+    named = [*args, "--out", str(results / "run.operator.json")]
+    before = (results / "run.operator.json").read_bytes()
+    assert main(named) == 2  # named, and taken: refused, nothing lost
+    assert "--overwrite" in capsys.readouterr().err
+    assert (results / "run.operator.json").read_bytes() == before
+    assert main([*named, "--overwrite"]) == 0  # asked for
 
 
 # ----- Flower: its own SuperLink, no activation needed, `flwr run .` -------------------------
@@ -220,6 +225,9 @@ def test_flwr_run_as_the_readme_writes_it_completes_the_default_job(tmp_path, sh
                 "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"})
     command = line.split("#")[0].strip().replace(" flwr run . ", f" flwr run {ROOT} ")
+    earlier = tmp_path / "results" / "run.operator.json"  # an earlier `fedpriv run`'s report
+    earlier.parent.mkdir()
+    earlier.write_text('{"document": "an earlier run"}')
     try:
         proc = subprocess.run(command, shell=True, env=env, cwd=tmp_path, text=True,
                               capture_output=True, timeout=480)
@@ -231,5 +239,6 @@ def test_flwr_run_as_the_readme_writes_it_completes_the_default_job(tmp_path, sh
     assert proc.returncode == 0, log[-3000:]
     where = re.search(r"operator report \(exact, not private; do not publish\): (\S+)", log)
     assert where and Path(where.group(1)).is_file(), log[-3000:]
-    assert Path(where.group(1)).parent == tmp_path / "results"
+    assert Path(where.group(1)) == tmp_path / "results" / "run-2.operator.json"
+    assert earlier.read_text() == '{"document": "an earlier run"}'  # not overwritten
     assert "Installing application dependencies" not in log

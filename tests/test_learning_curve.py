@@ -177,3 +177,7 @@ def test_a_sweep_draws_its_runs_learning_curves_one_panel_per_epsilon(tmp_path, 
     assert main(["sweep", str(path), "--out", str(out), "--jobs", "1"]) == 0
     assert "learning curves" not in capsys.readouterr().out
     assert not (out / "curves.png").exists()
+    # the runs of the earlier config are moved aside, not overwritten
+    aside = sorted(p.name for p in (out / "runs" / "replaced").glob("*.json"))
+    assert "private-fedrep__eps-2__seed-0-1.json" in aside
+    assert "private-fedrep__eps-2__seed-0-1.release.json" in aside

@@ -196,7 +196,7 @@ def test_the_flower_app_writes_a_publishable_release_with_private_metrics(tmp_pa
     assert release["private_metrics"]["test_mse"]["value"] == report["private_metrics"][
         "test_mse"]["value"]
     assert "operator report (exact, not private; do not publish)" in proc.stdout
-    assert "release (what may leave the server; publishable)" in proc.stdout
+    assert "release (public config, ledger, model; publishable)" in proc.stdout
 
 
 def test_a_sampled_plan_gives_the_evaluation_its_share_in_gdp_units_not_most_of_the_budget():

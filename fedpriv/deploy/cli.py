@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -136,7 +137,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     write_connection(connection_toml(args.superlink, ca, args.connection))
     results = Path(args.results)
     started = time.time()
-    proc = _run(submit_argv(args.app, overrides, args.connection), timeout=args.timeout)
+    proc = _submit(submit_argv(args.app, overrides, args.connection), args.connection,
+                   args.timeout)
     if proc.returncode != 0:
         print(f"fedpriv: `flwr run` failed (exit {proc.returncode})", file=sys.stderr)
         return 1
@@ -158,6 +160,45 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"fedpriv: the run ended but {results} was not written by it (see the SuperLink's "
           "log; --no-check when the SuperLink's files are not visible here)", file=sys.stderr)
     return 1
+
+
+def _submit(argv: Sequence[str], connection: str,
+            timeout: float | None) -> subprocess.CompletedProcess[str]:
+    """``flwr run`` of a deployment, its stream passed through; the run's ID read from it, so
+    that Ctrl-C, SIGTERM or ``--timeout`` stop the run on the SuperLink too (``flwr stop``):
+    a run left going there would go on spending the users' privacy budget."""
+    from fedpriv.stopping import Interrupted
+
+    print("fedpriv: $ " + shlex.join(argv), flush=True)
+    proc = subprocess.Popen(list(argv), env=tool_path(dict(os.environ)), text=True,
+                            errors="replace", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    run_id: list[str] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stopped = "the --timeout"
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            found = re.search(r"started run (\d+)", line)
+            if found and not run_id:
+                run_id.append(found.group(1))
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(list(argv), timeout or 0.0)
+        return subprocess.CompletedProcess(list(argv), proc.wait())
+    except (Interrupted, subprocess.TimeoutExpired) as err:
+        stopped = str(err.args[0]) if isinstance(err, Interrupted) else stopped
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            if run_id:  # the run itself, on the SuperLink
+                done = _run(["flwr", "stop", run_id[0], connection], capture=True, timeout=60)
+                state = ("stopped on the SuperLink" if done.returncode == 0 else "NOT stopped "
+                         f"on the SuperLink: {(done.stdout + done.stderr).strip()[-300:]}")
+                print(f"fedpriv: stopped by {stopped}: run {run_id[0]} {state}",
+                      file=sys.stderr, flush=True)
 
 
 def cmd_setup(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpriv.config_files import toml_value
+from fedpriv.config_files import toml_error, toml_value
 
 DEPLOY_COMMAND = ("fedpriv", "deploy")
 """How a deployment process runs one of ``fedpriv deploy``'s sub-commands (the project's script,
@@ -44,7 +44,7 @@ NODE_PORT = 9094
 CONTAINER_CERTS = "/app/certs"
 CONTAINER_APP = "/app/project"
 CONTAINER_RESULTS = "/app/results"
-RESULTS_FILE = "fedpriv-operator-report.json"
+RESULTS_FILE = "run.operator.json"
 APP_OWNER = "49999:49999"
 """uid:gid of the ``app`` user in Flower's official images (and so in deploy/Dockerfile)."""
 IMAGE = "fedpriv-deploy:latest"
@@ -267,7 +267,7 @@ def write_connection(table: str, home: Path | None = None) -> Path:
     try:
         existing = tomllib.loads(text).get("superlink", {})
     except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
+        raise ValueError(toml_error(path, err)) from None
     if name in existing:
         raise ValueError(f"{path} already defines the SuperLink connection {name!r}; remove it "
                          "or choose another name with --connection")

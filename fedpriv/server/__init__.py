@@ -11,7 +11,13 @@
 from fedpriv.server.core import PrivateServer, check_plan, check_run
 from fedpriv.server.release import BudgetExceededError, Releaser, calibrate
 from fedpriv.server.replies import REJECTION_KINDS, NodeReply, ReplyChecker
-from fedpriv.server.report import progress_line, results_dict, silent_run, summary_lines
+from fedpriv.server.report import (
+    plan_lines,
+    progress_line,
+    results_dict,
+    silent_run,
+    summary_lines,
+)
 from fedpriv.server.store import CheckpointStore
 
 __all__ = [
@@ -25,6 +31,7 @@ __all__ = [
     "calibrate",
     "check_plan",
     "check_run",
+    "plan_lines",
     "progress_line",
     "results_dict",
     "silent_run",

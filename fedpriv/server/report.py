@@ -140,12 +140,16 @@ def summary_lines(results: Mapping[str, Any]) -> list[str]:
         quality = "  no metrics: no node answered the final step (see the rejected replies)"
     else:
         quality = quality_line(m)
+    note = local_only_note(m or simulated, results)
+    if note:
+        quality += "\n" + note  # one entry with the quality line, so the indices stay
     lines = [
         f"fedpriv: {results['algorithm']} on {results['num_users']} users "
         f"({results['num_nodes']} nodes, {results['runtime']})",
         quality,
         privacy_line(p),
-        f"  wall time {results['wall_time_s']:.1f}s",
+        f"  server time {results['wall_time_s']:.1f}s (from the server's start; the engine's "
+        "start-up and shutdown not included)",
     ]
     for name, m in results.get("private_metrics", {}).items():
         exact = ("none on the server" if m["exact_clipped"] is None
@@ -171,11 +175,57 @@ def quality_line(m: Mapping[str, float]) -> str:
     elif "accuracy" in m:  # deep personalization: each user's test accuracy
         quality = (f"  mean per-user test accuracy {m['accuracy']:.4f}   10th-percentile user "
                    f"{m['accuracy_p10']:.2f}   test loss {m['test_loss']:.4f}")
-    else:
-        quality = (f"  population MSE {m.get('population_mse', float('nan')):.4g}   "
-                   f"local-only MSE {m.get('local_only_mse', float('nan')):.4g}   "
-                   f"test MSE {m.get('test_mse', float('nan')):.4g}")
+    else:  # the figures it has (a plug-in's own metrics where it has none of these)
+        shown = [f"{name} {m[k]:.4g}" for k, name in (("population_mse", "population MSE"),
+                                                       ("local_only_mse", "local-only MSE"),
+                                                       ("test_mse", "test MSE")) if k in m]
+        shown = shown or [f"{k} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                          for k, v in m.items()]
+        quality = "  " + "   ".join(shown)
     return quality
+
+
+# (the model's metric, each user alone, its name, whether lower is better), in quality_line's
+# order; the first pair a run reports both of is compared
+LOCAL_ONLY = (("transfer_risk", "local_risk", "transfer risk", True),
+              ("test_accuracy", "local_only_accuracy", "test accuracy", False),
+              ("population_mse", "local_only_mse", "MSE", True))
+
+
+def local_only_note(m: Mapping[str, float], results: Mapping[str, Any]) -> str | None:
+    """A one-line hint where the run's model is worse than each user training alone (the
+    local-only figure its metrics carry beside it); None where it is not, or where the metrics
+    carry no local-only figure (the deep family: compare with `deep-local-only`)."""
+    for metric, local, name, lower in LOCAL_ONLY:
+        if metric not in m or local not in m:
+            continue
+        model, alone = m[metric], m[local]
+        if not (model > alone if lower else model < alone):  # nan: never worse
+            return None
+        p = results["privacy"]
+        head = (f"  note: worse than each user training alone (local-only {name} {alone:.4g} "
+                f"vs {model:.4g})")
+        if p["epsilon"] is None:
+            return head + "; a non-private baseline: no noise was added, so not a privacy cost"
+        if not p["ledger"]:
+            return head
+        return (f"{head}: at epsilon = {p['target_epsilon']:g} the noise dominates at "
+                f"{results['num_users']} users; raise num-users (or epsilon; see docs/results.md)")
+    return None
+
+
+def plan_lines(multipliers: Mapping[str, float], pure_epsilons: Mapping[str, float]) -> list[str]:
+    """What a run's calibrated plan prints before it starts: the noise multiplier of each
+    Gaussian release, or the epsilon of each exponential-mechanism release; nothing for a run
+    without noise (no line without values)."""
+    lines = []
+    if multipliers:
+        lines.append("fedpriv: noise multipliers "
+                     + ", ".join(f"{k}={v:.4g}" for k, v in multipliers.items()))
+    if pure_epsilons:
+        lines.append("fedpriv: epsilon per release (exponential mechanism) "
+                     + ", ".join(f"{k}={v:.4g}" for k, v in pure_epsilons.items()))
+    return lines
 
 
 def privacy_line(p: Mapping[str, Any]) -> str:
