@@ -80,7 +80,8 @@ class RunConfig:
         "users); 1 = one device per user", non_negative, "an integer >= 0", resumable=True))
     results_path: str = key(Param(
         "results-path", str, "results/run.operator.json", "the operator report "
-        "(exact; not private); the release goes beside it as <name>.release.json",
+        "(exact; not private); the release goes beside it as <name>.release.json; a run "
+        "never writes over another run's results (the default name is numbered: run-2, ...)",
         resumable=True, public=False))
     node_timeout: float = key(Param(
         "node-timeout", float, 600.0, "seconds to wait for node replies in a step (node "
@@ -154,6 +155,11 @@ class RunConfig:
         "metrics-split", str, "test", "private metrics: evaluate each user's `test` points "
         "(the reported utility) or its held-back `validation` points (what `fedpriv tune` "
         "selects on)", *one_of(METRICS_SPLITS)))
+    size_check: bool = key(Param(
+        "size-check", bool, True, "before anything is allocated, refuse a run whose estimated "
+        "peak memory exceeds what this machine has available, that would take more than 12 "
+        "hours or that has more than 10^7 steps (the estimate reads public sizes only: "
+        "`fedpriv.cost`); `false` runs it anyway", resumable=True))
     plugin_config: str = key(Param(
         PLUGIN_CONFIG, str, "", "keys of a plug-in algorithm that the Flower app's "
         "`[tool.flwr.app.config]` does not list, as a TOML inline table (`fedpriv run` fills "

@@ -78,6 +78,10 @@ def parse_config(values: Mapping[str, Any], strict: bool = False) -> RunConfig:
               for p in own.values()}
     config = cls.config_type(**core, **params)
     RunConfig.check_keys(config)  # the core's relations (components' own: in validate)
+    if getattr(cls, "partitions_in_validate", False):  # its validate cuts users' partition
+        from fedpriv.cost import check_size
+
+        check_size(config, machine=False)  # steps and time first: absurd sizes never cut
     cls.validate(config)
     check(config, cls)
     return config

@@ -62,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_claimed(args: argparse.Namespace, values: dict[str, object], out: Path) -> int:
     """``fedpriv run`` once its output names are claimed: check, run, write, report."""
     from fedpriv import checkpoint
+    from fedpriv.cost import estimate_line
     from fedpriv.engine import run_in_process
     from fedpriv.outputs import output_lines, release_path, run_files, write_outputs
     from fedpriv.privacy.accounting import InfeasiblePlanError
@@ -84,6 +85,9 @@ def _run_claimed(args: argparse.Namespace, values: dict[str, object], out: Path)
         return 2
     for note in get_algorithm(config.algorithm).input_notes(config):
         print(f"fedpriv: {note}", file=sys.stderr)
+    estimate = estimate_line(config)  # a long run says so before it starts
+    if estimate:
+        print(estimate, flush=True)
     for old in run_files(out):
         old.unlink(missing_ok=True)  # only with --overwrite: the claim refused them otherwise
     try:

@@ -104,7 +104,9 @@ def _slug(text: str) -> str:
 
 
 def load_sweep(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> SweepSpec:
-    """Parse and validate a sweep file: every run's config and privacy plan, before any run."""
+    """Parse and validate a sweep file: every run's config, size (``fedpriv.cost``) and privacy
+    plan, before any run."""
+    from fedpriv.cost import check_size
     from fedpriv.registry import get_algorithm
     from fedpriv.server import check_plan
 
@@ -199,7 +201,8 @@ def load_sweep(path: str | os.PathLike[str], overrides: dict[str, Any] | None = 
                     if eps is not None:
                         run_values["epsilon"] = float(eps)
                     config = _config(where_x, run_values)
-                    try:  # every value of a data file, read once per process (cached)
+                    try:  # its size; every value of a data file, read once (cached)
+                        check_size(config)
                         algorithm.check_inputs(config)
                     except ConfigError as err:
                         raise ConfigError(f"{where_x}: {err}") from None

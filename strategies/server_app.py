@@ -1,4 +1,5 @@
-"""The fedpriv ServerApp: parse and validate the run-config, plan the privacy budget, run."""
+"""The fedpriv ServerApp: parse and validate the run-config, check its size, plan the privacy
+budget, run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedpriv.checkpoint import checkpoint_path
 from fedpriv.configure import parse_config
+from fedpriv.cost import check_size
 from fedpriv.outputs import output_lines, write_outputs
 from fedpriv.server import plan_lines, summary_lines
 from strategies.private import PrivateStrategy, discover_partitions
@@ -20,6 +22,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     started, started_unix = time.perf_counter(), time.time()
     config = parse_config(context.run_config)  # fails here on a bad config
+    check_size(config)  # and on a run too large for this machine, before anything is made
     print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
           f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
     # nodes register asynchronously (a simulation starts its workers first): wait at least

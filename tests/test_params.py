@@ -84,7 +84,7 @@ def test_select_keys_keeps_what_the_algorithm_reads():
 def test_only_operational_keys_may_change_on_resume():
     assert resumable_keys() == {"results-path", "node-timeout", "max-epsilon", "checkpoint",
                                 "checkpoint-path", "resume", "users-per-node",
-                                "node-fault-rate", "node-fault-kind"}
+                                "node-fault-rate", "node-fault-kind", "size-check"}
 
 
 def test_fedpriv_algorithms_lists_every_algorithm_with_its_keys_and_defaults(capsys):

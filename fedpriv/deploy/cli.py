@@ -124,9 +124,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     sets = list(args.set or [])
     try:
         values = {**load_run_config(args.config, sets), "results-path": args.results}
-        # plan and budget, first; a resumed run's checkpoint is on the SuperLink's machine,
-        # where the ServerApp checks it
-        check_run(parse_config({**values, "resume": False}, strict=True))
+        # size, plan and budget, first; a resumed run's checkpoint and the memory the run
+        # needs are on the SuperLink's machine, where the ServerApp checks them
+        check_run(parse_config({**values, "resume": False}, strict=True), here=False)
         # only what differs from the app's defaults goes on the command line
         explicit = read_config_file(args.config) if args.config else {}
         overrides = for_flower({**explicit, **parse_overrides(sets), "results-path":

@@ -411,13 +411,17 @@ class PrivateServer:
 
 
 def check_run(config: RunConfig, checkpoint_path: Path | None = None,
-              num_partitions: int | None = None) -> PrivateServer:
-    """Everything the server checks before its first step, without running: the privacy plan,
-    the budget ceiling and, when resuming, the checkpoint (with ``num_partitions`` nodes;
-    default: the run's own layout, which a distributed run's modulus depends on). Raises if
-    the run cannot start."""
+              num_partitions: int | None = None, here: bool = True) -> PrivateServer:
+    """Everything the server checks before its first step, without running: first the run's
+    estimated size (``fedpriv.cost.check_size``, before the plan, the steps or any user id is
+    made; ``here = False``: the run is not on this machine, so its memory is not compared with
+    this machine's), then the privacy plan, the budget ceiling and, when resuming, the
+    checkpoint (with ``num_partitions`` nodes; default: the run's own layout, which a
+    distributed run's modulus depends on). Raises if the run cannot start."""
+    from fedpriv.cost import check_size
     from fedpriv.nodes import auto_num_nodes  # the node layout (nodes import no server)
 
+    check_size(config, machine=here)
     nodes = num_partitions or (auto_num_nodes(config.num_users, config.users_per_node)
                                if config.noise_shares else 1)
     server = PrivateServer(config, nodes, log=lambda _: None, checkpoint_path=checkpoint_path)

@@ -308,13 +308,16 @@ def _number(tune: dict[str, Any], key: str, default: float | None, ok: Callable[
 
 
 def _check_points(spec: TuneSpec) -> None:
-    """Every point parses as a strict run config, is private, and releases the score."""
+    """Every point parses as a strict run config of a size this machine runs
+    (``fedpriv.cost``), is private, and releases the score."""
+    from fedpriv.cost import check_size
     from fedpriv.evaluation import algorithm_for
 
     for point in spec.points:
         where = ", ".join(f"{k}={v!r}" for k, v in point.items())
         try:
             config = parse_config(spec.candidate_values(point, spec.epsilon), strict=True)
+            check_size(config)
             cls = algorithm_for(config)
             cls.check_inputs(config)  # every value of a data file (cached)
         except ConfigError as err:

@@ -95,6 +95,8 @@ class DeepBase(Algorithm[DC]):
 
     config_type = DeepLocalConfig
 
+    partitions_in_validate = True  # parse_config checks the run's size first (fedpriv.cost)
+
     @classmethod
     def validate(cls, config: DC) -> None:
         super().validate(config)
