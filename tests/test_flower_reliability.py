@@ -13,6 +13,7 @@ import pytest
 from fedpriv import checkpoint
 from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
+from fedpriv.stopping import process_tree
 from tests.test_flower_integration import run_cli
 
 pytestmark = pytest.mark.integration
@@ -24,24 +25,6 @@ SETTINGS = dict(num_users=600, dim=10, epsilon=2.0, rounds=5, users_per_node=200
 DEEP = dict(algorithm="deep-private-fedrep", dataset="digits", num_users=60, hidden_sizes="16",
             epsilon=2.0, delta=1e-5, rounds=5, users_per_node=20, clip_quantile=0.5,
             eval_every=2)
-
-
-def _descendants(root: int) -> set[int]:
-    """PIDs of every process below ``root`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(pid))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def _process_groups(pids: set[int]) -> set[int]:
@@ -101,7 +84,7 @@ def test_killing_the_server_mid_run_and_resuming_counts_every_release_once(tmp_p
         assert state is not None and state["completed"] == 3, (tmp_path / "first.log").read_text()
         server_pid = state["pid"]
         assert "flwr-simulation" in Path(f"/proc/{server_pid}/cmdline").read_text()
-        groups = _process_groups(_descendants(first.pid) | {first.pid})
+        groups = _process_groups(process_tree(first.pid))
         os.kill(server_pid, signal.SIGKILL)  # the crash
         time.sleep(1.0)
         assert not _alive(server_pid)
@@ -144,7 +127,7 @@ def test_killing_the_server_mid_run_and_resuming_counts_every_release_once(tmp_p
                          for r in whole["rounds"] if r["step"].startswith("eval-")]
         assert [e["step"] for e in evals] == ["eval-0", "eval-2", "eval-4"]
     for group in groups:  # nothing of the killed run is left
-        assert not any(_alive(pid) for pid in _descendants(1) if _pgid(pid) == group)
+        assert not any(_alive(pid) for pid in process_tree(1) if _pgid(pid) == group)
 
 
 def _pgid(pid: int) -> int | None:
