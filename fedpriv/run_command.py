@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedpriv.config import ConfigError, default_mapping
+from fedpriv.config import ConfigError
 from fedpriv.config_files import load_run_config
 from fedpriv.configure import parse_config
 from fedpriv.launcher import run_flower
@@ -34,8 +34,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             values["resume"] = True
         if args.out:
             values["results-path"] = args.out
-        named = bool(args.out) or args.resume or (
-            values["results-path"] != default_mapping()["results-path"])
+        # --out names this run's files; a config's results-path is a name that is numbered
+        # where taken (a config is run again and again, with overrides)
+        named = bool(args.out) or args.resume
         out = Path(values["results-path"]).expanduser().resolve()
         # the run's output names, claimed before anything runs (fedpriv.outputs.claim)
         if named:
