@@ -41,6 +41,10 @@ FOLDER_ENV = "FEDPRIV_RUN_DIR"
 """The guarded command's own temporary folder (removed when it ends, however it ends)."""
 
 
+WATCHER_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "VIRTUAL_ENV", "TMPDIR")
+"""What the watcher inherits: enough to start Python and import fedpriv."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived; ``signum`` says which."""
 
@@ -159,7 +163,9 @@ class RunGuard:
         for key, value in ((TOKEN_ENV, self.token), (FOLDER_ENV, self.folder)):
             self._env[key] = os.environ.get(key)
             os.environ[key] = value
-        env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FOLDER_ENV)}
+        # the watcher carries neither the token nor anything else of the run's environment:
+        # whatever stops the run's processes by their environment leaves it to finish its job
+        env = {k: os.environ[k] for k in WATCHER_ENV if k in os.environ}
         self._watcher = subprocess.Popen(
             [sys.executable, "-m", "fedpriv.stopping", str(os.getpid()), self.token,
              self.folder], env=env, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -210,5 +216,6 @@ def watch(owner: int, token: str, folder: str, poll: float = 0.5) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the owner's to handle
+    for ignored in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the owner's to handle:
+        signal.signal(ignored, signal.SIG_IGN)  # the watcher ends when its owner has ended
     watch(int(sys.argv[1]), sys.argv[2], sys.argv[3])
