@@ -226,7 +226,8 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
     that ``flwr run`` starts and by its simulation process) instead of starting a Ray
     instance of its own. ``session``: one of several runs sharing the session's SuperLink and
     Ray head."""
-    with tempfile.TemporaryDirectory(prefix="fedpriv-run-", dir=run_folder()) as tmp:
+    folder = run_folder()  # the guarded command's: removed however the command ends
+    with tempfile.TemporaryDirectory(prefix="fedpriv-run-", dir=folder) as tmp:
         if session is not None and session.link is not None:
             link, keep_superlink = session.link, True
             started_here = session.ray_address is not None and not link.running()
@@ -242,7 +243,6 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         if env.get("PYTHONPATH"):  # the apps run in other folders: `PYTHONPATH=.` means here
             env["PYTHONPATH"] = os.pathsep.join(
                 str(Path(p).resolve()) if p else p for p in env["PYTHONPATH"].split(os.pathsep))
-        folder = run_folder()
         if folder and not ray_address and started_here and not keep_superlink:
             # Ray's session files: the run's own, removed with its folder
             env.setdefault("RAY_TMPDIR", folder)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedpriv.checkpoint import SUFFIX as CHECKPOINT_SUFFIX
 from fedpriv.learning_curve import curve_path, curve_points, plot_curve, run_stem
 from fedpriv.stopping import TOKEN_ENV
 
@@ -227,7 +228,7 @@ def claim_free(path: str | os.PathLike[str]) -> Path:
     suffix = p.name[len(stem.name):]
     for n in range(1, 10_000):
         candidate = p if n == 1 else stem.with_name(f"{stem.name}-{n}{suffix}")
-        if candidate.with_suffix(".checkpoint").exists():
+        if candidate.with_suffix(CHECKPOINT_SUFFIX).exists():
             continue  # an interrupted run's: it resumes to its own name
         try:
             if claim(candidate):

@@ -22,7 +22,6 @@ from fedpriv.launcher import run_flower
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedpriv import checkpoint
     from fedpriv.outputs import OutputTaken, claim, claim_free, unclaim
 
     try:
@@ -51,7 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"fedpriv: results not overwritten: {err}; name another path with --out, or "
               "pass --overwrite to replace them", file=sys.stderr)
         return 2
-    except (ConfigError, checkpoint.CheckpointError) as err:
+    except ConfigError as err:
         print(f"fedpriv: invalid config: {err}", file=sys.stderr)
         return 2
     try:

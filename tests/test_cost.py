@@ -190,3 +190,22 @@ def test_a_deep_run_on_a_built_in_dataset_is_refused_before_its_partition_is_cut
     with pytest.raises(ConfigError, match="num-users = 1000000000"):
         parse_config({"algorithm": "deep-private-fedrep", "dataset": "digits",
                       "num-users": 1_000_000_000})
+
+
+def test_the_estimate_reads_no_users_data_file(tmp_path):
+    """A data file's size is a function of its users' rows: the server's size check does not
+    read it (two files of different sizes, the same estimate)."""
+    import dataclasses
+
+    from fedpriv import cost
+    from fedpriv.configure import parse_config
+
+    base = parse_config({"algorithm": "deep-private-fedrep", "dataset": "digits",
+                         "num-users": 60})
+    small, big = tmp_path / "small.npz", tmp_path / "big.npz"
+    small.write_bytes(b"x" * 10)
+    big.write_bytes(b"x" * 10_000_000)
+    estimates = [cost.estimate(dataclasses.replace(base, dataset="npz", data_file=str(f)))
+                 for f in (small, big)]
+    assert estimates[0].memory_bytes == estimates[1].memory_bytes
+    assert estimates[0].seconds == estimates[1].seconds

@@ -446,6 +446,18 @@ def _start_superlink(procs: Processes, d: dep.Deployment, ca: str | None) -> Non
     assert link.poll() is None, procs.log("superlink")
 
 
+def _insecure_deployment(procs: Processes, nodes: int) -> dep.Deployment:
+    """An insecure SuperLink and ``nodes`` SuperNodes on loopback, started as processes."""
+    d = dep.Deployment(num_nodes=nodes, superlink_host="127.0.0.1", bind_host="127.0.0.1",
+                       superlink_port=_free_port(),
+                       node_ports=tuple(_free_port() for _ in range(nodes)), certs=None,
+                       mounted=False, app_dir=str(ROOT))
+    _start_superlink(procs, d, None)
+    for i in range(d.num_nodes):
+        procs.start(f"supernode-{i}", dep.supernode_command(d, i))
+    return d
+
+
 def _submit(procs: Processes, d: dep.Deployment, results: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run(_python(dep.submit_command(d, str(results), SETTINGS)),
                           env=procs.env, cwd=procs.logs, capture_output=True, text=True,
@@ -481,13 +493,7 @@ def _matches_the_simulation(results: dict, nodes: int) -> None:
 def test_superlink_and_supernodes_as_plain_processes_match_the_simulation(processes):
     """The insecure deployment as processes: SuperLink + 3 SuperNodes, the run submitted with
     `flwr run` through the same command the compose file's `submit` service runs."""
-    d = dep.Deployment(num_nodes=3, superlink_host="127.0.0.1", bind_host="127.0.0.1",
-                       superlink_port=_free_port(),
-                       node_ports=tuple(_free_port() for _ in range(3)), certs=None,
-                       mounted=False, app_dir=str(ROOT))
-    _start_superlink(processes, d, None)
-    for i in range(d.num_nodes):
-        processes.start(f"supernode-{i}", dep.supernode_command(d, i))
+    d = _insecure_deployment(processes, 3)
     results = processes.short / "results" / "run.json"
     _submit(processes, d, results)
     _matches_the_simulation(json.loads(results.read_text()), nodes=3)
@@ -626,13 +632,7 @@ def test_ctrl_c_on_submit_stops_the_run_on_the_superlink(processes):
     from fedpriv import checkpoint
 
     processes.env[checkpoint.PAUSE_ENV] = "2"  # the SuperLink's ServerApp inherits it
-    d = dep.Deployment(num_nodes=2, superlink_host="127.0.0.1", bind_host="127.0.0.1",
-                       superlink_port=_free_port(),
-                       node_ports=tuple(_free_port() for _ in range(2)), certs=None,
-                       mounted=False, app_dir=str(ROOT))
-    _start_superlink(processes, d, None)
-    for i in range(d.num_nodes):
-        processes.start(f"supernode-{i}", dep.supernode_command(d, i))
+    d = _insecure_deployment(processes, 2)
     results = processes.short / "results" / "run.json"
     ckpt = results.with_suffix(".checkpoint")
     submit = processes.start("submit", _python(dep.submit_command(d, str(results), SETTINGS)))
