@@ -32,7 +32,7 @@ from fedpriv.algorithms.base import Algorithm
 from fedpriv.config import _CORE, CORE, PLUGIN_CONFIG, RunConfig
 from fedpriv.evaluation import check
 from fedpriv.params import ConfigError, Param
-from fedpriv.registry import available, get_algorithm
+from fedpriv.registry import available, declared, get_algorithm
 
 __all__ = ["algorithm_params", "config_defaults", "declared_keys", "parse_config",
            "select_keys"]
@@ -167,6 +167,6 @@ def declared_keys() -> dict[str, tuple[Param, list[str]]]:
 def _declared_keys(names: tuple[str, ...]) -> dict[str, tuple[Param, list[str]]]:
     keys: dict[str, tuple[Param, list[str]]] = {}
     for name in names:
-        for key, param in get_algorithm(name).declared_params().items():
+        for key, param in declared(name).declared_params().items():
             keys.setdefault(key, (param, []))[1].append(name)
     return keys

@@ -28,7 +28,13 @@ from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
 from fedpriv.nodes import auto_num_nodes
 from fedpriv.outputs import unclaim
-from fedpriv.stopping import keep_running, process_tree, run_folder
+from fedpriv.stopping import (
+    keep_running,
+    process_tree,
+    run_folder,
+    server_done_line,
+    stop_started,
+)
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
 """Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""
@@ -328,9 +334,18 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
               "nor on PATH: install fedpriv's dependencies in this environment "
               "(pip install -e .)", file=sys.stderr)
         return 1
+    done, finished = server_done_line(), False
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
+            if done and line.strip() == done:
+                # the results are written; what is left is Flower's and Ray's orderly shutdown
+                # (seconds): on a SuperLink of the run's own, every process of the run stops now
+                finished = True
+                if stop:
+                    stop_started()
+                    break
+                continue
             if not quiet and not flower_noise(line):
                 print(line, end="", flush=True)
         proc.wait()
@@ -340,7 +355,7 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
             proc.wait()
         if stop:
             link.stop()
-    if proc.returncode != 0 or not out.is_file():
+    if (proc.returncode != 0 and not finished) or not out.is_file():
         print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
               f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)
         return 1

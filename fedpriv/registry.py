@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from fedpriv.algorithms.base import Algorithm
+from fedpriv.algorithms.deep.without_torch import NeedsTorch, load
 
 ENTRY_POINT_GROUP = "fedpriv.algorithms"
 A = TypeVar("A", bound=type[Algorithm[Any]])
@@ -84,7 +85,11 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_algorithm(name: str) -> type[Algorithm[Any]]:
+def declared(name: str) -> type[Algorithm[Any]]:
+    """The algorithm ``name`` as registered: its name, summary and keys. A deep algorithm is its
+    declaration here (``without_torch``), without loading torch: what listings and key checks
+    read (a Flower node checks the run-config, which holds every algorithm's keys, on every
+    message)."""
     _load_builtins()
     if name not in _REGISTRY:
         _load_entry_points()
@@ -93,6 +98,14 @@ def get_algorithm(name: str) -> type[Algorithm[Any]]:
     if name not in _REGISTRY:
         raise KeyError(unknown_algorithm(name))
     return _REGISTRY[name]
+
+
+def get_algorithm(name: str) -> type[Algorithm[Any]]:
+    """The algorithm ``name``, ready to run (a deep one's implementation loads torch)."""
+    cls = declared(name)
+    if issubclass(cls, NeedsTorch):  # a declaration: the implementation loads now
+        _REGISTRY[name] = cls = load(cls)
+    return cls
 
 
 def unknown_algorithm(name: str) -> str:

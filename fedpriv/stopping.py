@@ -41,6 +41,19 @@ FOLDER_ENV = "FEDPRIV_RUN_DIR"
 """The guarded command's own temporary folder (removed when it ends, however it ends)."""
 
 
+SERVER_DONE = "fedpriv: the ServerApp is done"
+"""The ServerApp's last line under a guarded command (with the command's token, so no other
+run's line matches): its results are written, and what is left of the run is Flower's and
+Ray's shutdown, which the command cuts short (``server_done_line``)."""
+
+
+def server_done_line() -> str | None:
+    """The line a ServerApp started by this guarded command prints when its work is done (None
+    outside a guarded command: ``flwr run .`` directly, a deployment's SuperLink)."""
+    token = os.environ.get(TOKEN_ENV)
+    return f"{SERVER_DONE} ({token})" if token else None
+
+
 WATCHER_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "VIRTUAL_ENV", "TMPDIR")
 """What the watcher inherits: enough to start Python and import fedpriv."""
 
@@ -62,16 +75,24 @@ def keep_running(pids: set[int]) -> None:
     _KEPT.update(pids)
 
 
-def process_tree(root: int) -> set[int]:
-    """``root`` and every process below it (Linux /proc)."""
-    children: dict[int, list[int]] = {}
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process (Linux /proc)."""
+    parents = {}
     for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
         try:
             stat = Path(f"/proc/{name}/stat").read_text() if name.isdigit() else ""
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(name))
+            parents[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-    found, todo = {root}, [root]
+    return parents
+
+
+def _below(roots: set[int], parents: dict[int, int]) -> set[int]:
+    """``roots`` and every process below them."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(roots), list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
             if child not in found:
@@ -80,21 +101,28 @@ def process_tree(root: int) -> set[int]:
     return found
 
 
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process below it (Linux /proc)."""
+    return _below({root}, _parents())
+
+
 def tagged_pids(token: str) -> list[int]:
-    """PIDs of the processes whose environment carries ``token`` (this one, and those kept
-    running, excluded)."""
+    """PIDs of the processes whose environment carries ``token``, and of every process below
+    one of them (this one, and those kept running, excluded): a process keeps its parent's
+    environment, but one that rewrites its title over it (Ray's dashboard and runtime-env
+    agents) no longer shows the token, and outlives its parent's SIGKILL."""
     marker = f"{TOKEN_ENV}={token}".encode()
-    found = []
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not name.isdigit() or int(name) == os.getpid() or int(name) in _KEPT:
-            continue
+    parents = _parents()
+    marked = set()
+    for pid in parents:
         try:
-            environ = Path(f"/proc/{name}/environ").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
         if marker in environ.split(b"\0"):
-            found.append(int(name))
-    return found
+            marked.add(pid)
+    kept = _below(_KEPT, parents) if _KEPT else set()
+    return sorted(_below(marked, parents) - kept - {os.getpid()})
 
 
 def _alive(pid: int) -> bool:

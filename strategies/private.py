@@ -54,7 +54,7 @@ def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(nodes)} node(s) of {expected or '?'} connected "
                                f"after {timeout:.0f}s")
-        time.sleep(1.0)
+        time.sleep(0.2)
 
 
 def _scalar(value: object) -> int | float | str | bytes:

@@ -12,7 +12,8 @@ from fedpriv.checkpoint import checkpoint_path
 from fedpriv.configure import parse_config
 from fedpriv.cost import check_size
 from fedpriv.outputs import output_lines, write_outputs
-from fedpriv.server import plan_lines, summary_lines
+from fedpriv.server import check_plan, plan_lines, summary_lines
+from fedpriv.stopping import server_done_line
 from strategies.private import PrivateStrategy, discover_partitions
 
 app = ServerApp()
@@ -25,6 +26,10 @@ def main(grid: Grid, context: Context) -> None:
     check_size(config)  # and on a run too large for this machine, before anything is made
     print(f"fedpriv: {config.algorithm}, {config.num_users} users, target "
           f"(epsilon={config.epsilon}, delta={config.delta:g})", flush=True)
+    # the privacy plan first: calibrated while a simulation starts its workers (the accountant
+    # keeps what it computed for the strategy below), and an infeasible plan fails before any
+    # node is asked anything
+    check_plan(config)
     # nodes register asynchronously (a simulation starts its workers first): wait at least
     # two minutes for them, whatever the per-step node-timeout
     partitions = discover_partitions(grid, timeout=max(config.node_timeout, 120.0))
@@ -44,3 +49,6 @@ def main(grid: Grid, context: Context) -> None:
         print(line, flush=True)
     for line in output_lines(path, release, results):
         print(line, flush=True)
+    done = server_done_line()
+    if done:  # the fedpriv command that started this run stops the rest of it now
+        print(done, flush=True)

@@ -10,6 +10,32 @@ from fedpriv.config import RunConfig
 from fedpriv.configure import parse_config
 
 
+FLOWER_QUIET = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_TELEMETRY_ENABLED": "0",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+_WORKER_HOME: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Flower's and Ray's state private to this test process: under pytest-xdist (the README's
+    ``-n``) each worker gets its own FLWR_HOME and RAY_TMPDIR, so two workers never share a
+    Flower home or a Ray session folder (ports are free ones, chosen per run)."""
+    for key, value in FLOWER_QUIET.items():
+        os.environ.setdefault(key, value)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not _WORKER_HOME:
+        home = tempfile.mkdtemp(prefix=f"fp{worker}", dir="/tmp")  # Ray's socket paths: short
+        _WORKER_HOME.append(home)
+        os.environ["FLWR_HOME"] = os.path.join(home, "flwr")
+        os.environ["RAY_TMPDIR"] = os.path.join(home, "ray")
+        os.makedirs(os.environ["RAY_TMPDIR"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for home in _WORKER_HOME:
+        shutil.rmtree(home, ignore_errors=True)
+    _WORKER_HOME.clear()
+
+
 def small_config(**overrides) -> RunConfig:
     """A small, fast Private FedRep config; keyword names use underscores."""
     values = {"num-users": 600, "dim": 10, "rank": 2, "samples-per-user": 10,
@@ -35,12 +61,11 @@ def flower_env():
     short = tempfile.mkdtemp(prefix="fp", dir="/tmp")
     env = dict(os.environ)
     env.update({
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        **FLOWER_QUIET,
         "FLWR_HOME": os.path.join(short, "flwr"),
         "RAY_TMPDIR": os.path.join(short, "ray"),
         "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),  # not Flower's default: tests run at once
     })
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     yield env

@@ -67,6 +67,8 @@ def test_the_stand_ins_declare_what_the_deep_algorithms_declare():
         real = get_algorithm(stand_in.name)
         assert (stand_in.private, stand_in.summary) == (real.private, real.summary)
         assert stand_in.declared_params() == real.declared_params()
+        assert dict(stand_in.defaults) == dict(real.defaults)
+        assert stand_in.components == real.components
     assert len(stand_ins()) == sum(n.startswith("deep-") for n in _names())
 
 

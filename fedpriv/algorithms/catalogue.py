@@ -4,6 +4,7 @@ through the ``fedpriv.algorithms`` entry point group instead."""
 
 from __future__ import annotations
 
+from fedpriv.algorithms.deep.without_torch import stand_ins
 from fedpriv.algorithms.exp_mech.a_exp import AExp, AExpBest
 from fedpriv.algorithms.exp_mech.jl_exp import JLExp, JLExpBest
 from fedpriv.algorithms.meta.dp_ftmrl import DPFTMRL, FTMRL
@@ -13,23 +14,6 @@ from fedpriv.algorithms.personalization.baselines import DPGlobalModel, KnownEmb
 from fedpriv.algorithms.personalization.priv_altmin import AltMin, PrivAltMin
 from fedpriv.algorithms.personalization.private_fedrep import FedRep, PrivateFedRep
 
-
-def _deep() -> tuple[type, ...]:
-    """The deep family, or its stand-ins where PyTorch is not installed (the deep extra)."""
-    try:
-        from fedpriv.algorithms.deep.dp_fedavg import DeepDPFedAvg, DeepDPFedAvgFT, DeepFedAvgFT
-        from fedpriv.algorithms.deep.local_only import DeepLocalOnly
-        from fedpriv.algorithms.deep.private_fedrep import DeepFedRep, DeepPrivateFedRep
-    except ModuleNotFoundError as err:
-        if err.name != "torch":
-            raise
-        from fedpriv.algorithms.deep.without_torch import stand_ins
-
-        return stand_ins()
-    return (DeepPrivateFedRep, DeepFedRep, DeepDPFedAvg, DeepDPFedAvgFT, DeepFedAvgFT,
-            DeepLocalOnly)
-
-
 BUILTIN: tuple[type, ...] = (
     # personalization (shared embedding U, personal v_i)
     PrivateFedRep, FedRep, PrivAltMin, AltMin, DPGlobalModel, LocalOnly, KnownEmbedding,
@@ -37,6 +21,7 @@ BUILTIN: tuple[type, ...] = (
     MetaNSGD, MetaSGD, PrivateMetaCluster, MetaCluster, DPFTMRL, FTMRL, MetaLocal, MetaOracle,
     # exponential-mechanism constructions
     AExp, AExpBest, JLExp, JLExpBest,
-    # deep personalization on real data (torch body, personal linear heads)
-    *_deep(),
+    # deep personalization on real data (torch body, personal linear heads): declared here,
+    # loaded (with torch) when one is asked for (fedpriv.registry.get_algorithm)
+    *stand_ins(),
 )

@@ -23,16 +23,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
-
-import dp_accounting
-from dp_accounting import pld, rdp
-from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
+from typing import TYPE_CHECKING, Any
 
 from fedpriv.config import ACCOUNTANTS, NEIGHBOURING_RELATIONS
 from fedpriv.privacy.bounds import InfeasiblePlanError as InfeasiblePlanError
 from fedpriv.privacy.bounds import _gdp_epsilon, _gdp_mu
 from fedpriv.privacy.bounds import gdp_mu as gdp_mu
+
+if TYPE_CHECKING:  # dp-accounting (a second of scipy imports) loads where it is used: not on nodes
+    import dp_accounting
 
 _RELATIONS = ("add-remove", "replace-one")
 
@@ -56,9 +55,8 @@ def mean_sensitivity(clip_norm: float, population: int, relation: str) -> float:
     return factor * clip_norm / population
 
 
-def make_accountant(
-    kind: str, relation: str, sampled: bool = False
-) -> dp_accounting.PrivacyAccountant:
+def make_accountant(kind: str, relation: str,
+                    sampled: bool = False) -> dp_accounting.PrivacyAccountant:
     """A fresh dp-accounting accountant: PLD (tight, default) or RDP.
 
     The neighbouring relation enters through the L2 sensitivity the algorithm states (see
@@ -79,6 +77,8 @@ def make_accountant(
     estimate stays pessimistic (an upper bound) and close to the finer grid's, at a fraction of
     the cost (docs/measurements.md).
     """
+    import dp_accounting
+    from dp_accounting import pld, rdp
     if relation not in _RELATIONS:
         raise ValueError(f"neighbouring relation must be one of {NEIGHBOURING_RELATIONS}")
     shift = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -146,6 +146,7 @@ def _sampled(keys: Iterable[EventKey]) -> bool:
 
 
 def _dp_event(key: EventKey, relation: str, sampled_plan: bool) -> dp_accounting.DpEvent:
+    import dp_accounting
     z, q = key
     if q == ZCDP:
         return dp_accounting.ZCDpEvent(z)
@@ -159,6 +160,7 @@ def _dp_event(key: EventKey, relation: str, sampled_plan: bool) -> dp_accounting
 def composed_event(counts: Mapping[EventKey, int], relation: str) -> dp_accounting.DpEvent:
     """The composition of ``counts[key]`` releases of each kind (order does not matter for the
     composed privacy loss), as one dp-accounting event."""
+    import dp_accounting
     sampled = _sampled(counts)
     return dp_accounting.ComposedDpEvent([
         dp_accounting.SelfComposedDpEvent(_dp_event(key, relation, sampled), n)
@@ -166,10 +168,8 @@ def composed_event(counts: Mapping[EventKey, int], relation: str) -> dp_accounti
     ])
 
 
-def epsilon_of(
-    counts: Mapping[EventKey, int], delta: float, kind: str = "pld",
-    relation: str = "add-remove",
-) -> float:
+def epsilon_of(counts: Mapping[EventKey, int], delta: float, kind: str = "pld",
+               relation: str = "add-remove") -> float:
     """Epsilon at ``delta`` of the composition described by ``counts``."""
     if not any(counts.values()):
         return 0.0
@@ -226,13 +226,8 @@ def plan_counts(releases: Sequence[PlannedRelease],
     return counts
 
 
-def plan_epsilon(
-    releases: Sequence[PlannedRelease],
-    multipliers: Sequence[float],
-    delta: float,
-    accountant: str = "pld",
-    relation: str = "add-remove",
-) -> float:
+def plan_epsilon(releases: Sequence[PlannedRelease], multipliers: Sequence[float], delta: float,
+                 accountant: str = "pld", relation: str = "add-remove") -> float:
     """Epsilon at ``delta`` of the whole plan with the given noise multipliers."""
     return epsilon_of(plan_counts(releases, multipliers), delta, accountant, relation)
 
@@ -345,6 +340,7 @@ def calibrate_gaussian_plan(
         raise InfeasiblePlanError(
             f"no noise level meets (epsilon={epsilon}, delta={delta}) with these releases: "
             f"it would need noise multipliers below {_MIN_MULTIPLIER:g}")
+    from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
     try:
         mu = calibrate_dp_mechanism(
             lambda: make_accountant(accountant, relation, sampled),

@@ -21,7 +21,7 @@ from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
 from fedpriv.algorithms.deep.final_fit import Scores, fitted_head_scores, global_model_scores
 from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
 from fedpriv.algorithms.deep.models import ModelSpec
-from fedpriv.algorithms.deep.params import DeepConfig
+from fedpriv.algorithms.deep.params import FEDAVG_FT_DEFAULTS, DeepConfig
 from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock
 
 
@@ -76,4 +76,4 @@ class DeepFedAvgFT(DeepDPFedAvgFT):
     name = "deep-fedavg-ft"
     summary = "FedAvg, then each user fine-tunes the head (non-private baseline)"
     private = False
-    defaults = {"rounds": 40, "learning-rate": 1.0}
+    defaults = FEDAVG_FT_DEFAULTS

@@ -263,3 +263,6 @@ def _private_rounds(core: Mapping[str, Any]) -> int:
 PRIVATE_DEFAULTS: Mapping[str, Any] = {
     "rounds": Rule(_private_rounds, "epsilon x num-users / 50, within 10..40"),
     "learning-rate": 0.25, "clip-quantile": 0.5}
+# ... and the non-private baselines' (no budget to carry: the most rounds)
+FEDREP_DEFAULTS: Mapping[str, Any] = {"rounds": 40, "learning-rate": 2.0}  # deep-fedrep
+FEDAVG_FT_DEFAULTS: Mapping[str, Any] = {"rounds": 40, "learning-rate": 1.0}  # deep-fedavg-ft

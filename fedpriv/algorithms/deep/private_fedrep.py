@@ -33,7 +33,7 @@ from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
 from fedpriv.algorithms.deep.final_fit import Scores, fitted_head_scores
 from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
 from fedpriv.algorithms.deep.models import ModelSpec
-from fedpriv.algorithms.deep.params import DeepConfig
+from fedpriv.algorithms.deep.params import FEDREP_DEFAULTS, DeepConfig
 from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock
 
 
@@ -89,4 +89,4 @@ class DeepFedRep(DeepPrivateFedRep):
     name = "deep-fedrep"
     summary = "FedRep with a torch body, without noise (baseline; clipping optional)"
     private = False
-    defaults = {"rounds": 40, "learning-rate": 2.0}
+    defaults = FEDREP_DEFAULTS

@@ -1,41 +1,60 @@
-"""The deep family without PyTorch: a plain ``pip install -e .`` installs no torch (its CPU build
-is chosen by hand: a ``torch`` from PyPI is the CUDA build, gigabytes on a machine without a
-GPU), and everything else runs without it. The deep algorithms are then registered as these
-stand-ins: the same names, summaries and keys (a test compares them with the real classes), and
-a config that names one is refused before the run with how to install torch."""
+"""The deep family's declarations without PyTorch: the same names, summaries and keys as the
+real classes (a test compares them). The registry holds these stand-ins until a deep algorithm
+is asked for (``load``): a run of any other family never imports torch (its import is a second
+or more in every process of a run: the command, the ServerApp, each ClientApp actor). Where
+torch is not installed (a plain ``pip install -e .``: its CPU build is chosen by hand, a
+``torch`` from PyPI is the CUDA build, gigabytes on a machine without a GPU), the stand-in
+stays, and a config that names one is refused before the run with how to install torch."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
 from fedpriv.algorithms.base import Algorithm
-from fedpriv.algorithms.deep.params import DeepConfig, DeepLocalConfig
+from fedpriv.algorithms.deep.params import (
+    FEDAVG_FT_DEFAULTS,
+    FEDREP_DEFAULTS,
+    PRIVATE_DEFAULTS,
+    DeepConfig,
+    DeepLocalConfig,
+)
 from fedpriv.params import ConfigError
 
 INSTALL_TORCH = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
                  "(the CPU build; on a GPU machine leave out --index-url), then "
                  "pip install -e \".[deep]\"")
 
-# name, private, summary, config class: as the classes in deep/dp_fedavg.py etc. declare them
-DEEP: tuple[tuple[str, bool, str, type[DeepLocalConfig]], ...] = (
+_P = "fedpriv.algorithms.deep."
+_PRIVATE, _NONE = PRIVATE_DEFAULTS, {}
+# name, private, summary, config class, own defaults, implementation: as the real classes
+# declare them
+DEEP: tuple[tuple[str, bool, str, type[DeepLocalConfig], Mapping[str, Any], str], ...] = (
     ("deep-private-fedrep", True,
-     "Private FedRep with a torch body and personal linear heads (real data)", DeepConfig),
+     "Private FedRep with a torch body and personal linear heads (real data)", DeepConfig,
+     _PRIVATE, _P + "private_fedrep:DeepPrivateFedRep"),
     ("deep-fedrep", False,
-     "FedRep with a torch body, without noise (baseline; clipping optional)", DeepConfig),
+     "FedRep with a torch body, without noise (baseline; clipping optional)", DeepConfig,
+     FEDREP_DEFAULTS, _P + "private_fedrep:DeepFedRep"),
     ("deep-dp-fedavg", True, "DP-FedAvg: one global torch model for every user (baseline)",
-     DeepConfig),
+     DeepConfig, _PRIVATE, _P + "dp_fedavg:DeepDPFedAvg"),
     ("deep-dp-fedavg-ft", True, "DP-FedAvg, then each user fine-tunes the head locally",
-     DeepConfig),
+     DeepConfig, _PRIVATE, _P + "dp_fedavg:DeepDPFedAvgFT"),
     ("deep-fedavg-ft", False,
-     "FedAvg, then each user fine-tunes the head (non-private baseline)", DeepConfig),
+     "FedAvg, then each user fine-tunes the head (non-private baseline)", DeepConfig,
+     FEDAVG_FT_DEFAULTS, _P + "dp_fedavg:DeepFedAvgFT"),
     ("deep-local-only", False,
      "each user alone: a linear model on raw inputs or its own network (baseline)",
-     DeepLocalConfig),
+     DeepLocalConfig, _NONE, _P + "local_only:DeepLocalOnly"),
 )
 
 
 class NeedsTorch(Algorithm[DeepLocalConfig]):
-    """A deep algorithm whose implementation needs PyTorch, which is not installed."""
+    """A deep algorithm's declaration; its implementation (``module:Class``) needs PyTorch."""
 
     config_type = DeepLocalConfig
+    implementation = ""
 
     @classmethod
     def validate(cls, config: DeepLocalConfig) -> None:
@@ -47,5 +66,18 @@ def stand_ins() -> tuple[type[NeedsTorch], ...]:
     """One ``NeedsTorch`` subclass per deep algorithm, reading the same config class."""
     return tuple(type(name.replace("-", "_"), (NeedsTorch,),
                       {"name": name, "private": private, "summary": summary,
-                       "config_type": config_type, "__module__": __name__})
-                 for name, private, summary, config_type in DEEP)
+                       "config_type": config_type, "defaults": defaults,
+                       "implementation": where, "__module__": __name__})
+                 for name, private, summary, config_type, defaults, where in DEEP)
+
+
+def load(stand_in: type[NeedsTorch]) -> type[Algorithm[DeepLocalConfig]]:
+    """The real class the stand-in declares, or the stand-in itself where torch is missing."""
+    module, _, attr = stand_in.implementation.partition(":")
+    try:
+        cls: type[Algorithm[DeepLocalConfig]] = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        return stand_in
+    return cls
