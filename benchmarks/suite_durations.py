@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{grand:.0f} s in tests\n")
     print("\n".join(table("kind", by_kind, grand)) + "\n")
     print("\n".join(table("file", by_file, grand)) + "\n")
-    print(f"| slowest tests | seconds | kind |\n|---|---:|---|")
+    print("| slowest tests | seconds | kind |\n|---|---:|---|")
     for file, name, seconds, _ in sorted(rows, key=lambda r: -r[2])[:args.top]:
         print(f"| {file}::{name} | {seconds:.1f} | {kind_of(file, name)} |")
 

@@ -9,7 +9,6 @@ import pytest
 from fedpriv.config import RunConfig
 from fedpriv.configure import parse_config
 
-
 FLOWER_QUIET = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_TELEMETRY_ENABLED": "0",
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 _WORKER_HOME: list[str] = []
