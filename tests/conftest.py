@@ -35,6 +35,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _WORKER_HOME.clear()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tier (``@pytest.mark.slow``: the full neighbouring-dataset grid, every stored
+    figure's privacy plans) runs only when selected: ``python3 -m pytest -m slow`` (or any
+    ``-m`` expression naming it, ``-m full_grid``)."""
+    selected = config.getoption("markexpr") or ""
+    if "slow" in selected or "full_grid" in selected:
+        return
+    skip = pytest.mark.skip(reason="the slow tier: python3 -m pytest -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def small_config(**overrides) -> RunConfig:
     """A small, fast Private FedRep config; keyword names use underscores."""
     values = {"num-users": 600, "dim": 10, "rank": 2, "samples-per-user": 10,

@@ -9,7 +9,6 @@ from exact replies, the ledger, the release document, repeatable noise):
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -451,10 +450,8 @@ def test_the_harness_catches_an_unclipped_user(monkeypatch, natural_csv, tmp_pat
     assert not view.ok and "rejections () on D and (('non-finite', 1),) on D'" in view.problem
 
 
-# ----- the full grid (FEDPRIV_FULL_GRID=1 pytest -m full_grid) ------------------------------------
-FULL_GRID = pytest.mark.skipif(not os.environ.get("FEDPRIV_FULL_GRID"),
-                               reason="the full neighbouring-dataset grid runs with "
-                                      "FEDPRIV_FULL_GRID=1 (about 6 minutes)")
+# ----- the full grid: the slow tier (python3 -m pytest -m slow; -m full_grid: these alone) -------
+FULL_GRID = pytest.mark.slow
 
 
 @pytest.mark.full_grid

@@ -27,7 +27,8 @@ INSTALL_TORCH = ("pip install torch==2.13.0 --index-url https://download.pytorch
                  "pip install -e \".[deep]\"")
 
 _P = "fedpriv.algorithms.deep."
-_PRIVATE, _NONE = PRIVATE_DEFAULTS, {}
+_PRIVATE: Mapping[str, Any] = PRIVATE_DEFAULTS
+_NONE: Mapping[str, Any] = {}
 # name, private, summary, config class, own defaults, implementation: as the real classes
 # declare them
 DEEP: tuple[tuple[str, bool, str, type[DeepLocalConfig], Mapping[str, Any], str], ...] = (
