@@ -29,6 +29,7 @@ from fedpriv.executables import tool_path
 from fedpriv.nodes import auto_num_nodes
 from fedpriv.outputs import unclaim
 from fedpriv.stopping import (
+    SERVER_DONE,
     keep_running,
     process_tree,
     run_folder,
@@ -292,6 +293,25 @@ def flower_noise(line: str) -> bool:
     return any(n in text for n in NOISE) or text in ("", "\x1b[92mINFO \x1b[0m:")
 
 
+SMALL_RUN_S = 2.0
+"""A run whose users' work is estimated below this many seconds (``fedpriv.cost``) gets one
+ClientApp actor: a second one costs more to start (about 3 CPU-seconds of imports, while the
+other processes of the run start too) than it saves."""
+
+
+def client_actors(config: RunConfig, nodes: int) -> int:
+    """The ClientApp actors of a simulation: one per core (at most one per node), or one for a
+    small run. A run whose nodes time out keeps one per core (more logical CPUs are given to
+    Ray for it: a node that times out holds its actor)."""
+    from fedpriv.cost import estimate
+
+    per_core = min(nodes, os.cpu_count() or 1)
+    if config.node_fault_kind == "timeout" and config.node_fault_rate > 0:
+        return per_core
+    work = sum(t.value for t in estimate(config).time if t.name == "user work")
+    return 1 if work < SMALL_RUN_S else per_core
+
+
 def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[str, str],
               link: LocalSuperLink, quiet: bool, tmp: str, session: FlowerSession | None,
               stop: bool, ray_address: str | None) -> int:
@@ -306,10 +326,12 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
                                app_config_keys(project_dir()))
     run_config.write_text("".join(f"{key} = {toml_value(value)}\n"
                                   for key, value in flower_values.items()))
-    # one ClientApp actor per core (Flower's default gives each actor 2 CPUs: one actor
-    # on a 2-core machine), each with its share of the data cache
-    federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
-    with_cache_share(env, min(nodes, os.cpu_count() or 1))
+    # one ClientApp actor per core (Flower's default gives each actor 2 CPUs: one actor on a
+    # 2-core machine), or one for a small run; each with its share of the data cache
+    actors = client_actors(config, nodes)
+    cores = os.cpu_count() or 1
+    federation = f"num-supernodes={nodes} client-resources-num-cpus={max(1, cores // actors)}"
+    with_cache_share(env, actors)
     if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
             not ray_address):  # an existing cluster's CPUs are its own
         # a simulated node that times out holds its worker for node-timeout seconds:
@@ -338,12 +360,14 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
+            if line.startswith(SERVER_DONE) and line.strip() != done:
+                continue  # another command's ServerApp (a SuperLink kept running): not ours
             if done and line.strip() == done:
                 # the results are written; what is left is Flower's and Ray's orderly shutdown
                 # (seconds): on a SuperLink of the run's own, every process of the run stops now
                 finished = True
-                if stop:
-                    stop_started()
+                if stop:  # a second to exit on SIGTERM (Ray's workers may wait on a raylet
+                    stop_started(grace=1.0)  # that is stopping too), then SIGKILL
                     break
                 continue
             if not quiet and not flower_noise(line):

@@ -156,10 +156,11 @@ def stop_tagged(token: str, grace: float = 10.0) -> int:
     return len(signalled)
 
 
-def stop_started() -> int:
-    """Stop every process this guarded command started (none where it is not guarded)."""
+def stop_started(grace: float = 10.0) -> int:
+    """Stop every process this guarded command started (none where it is not guarded);
+    ``grace``: as ``stop_tagged``'s."""
     token = os.environ.get(TOKEN_ENV)
-    return stop_tagged(token) if token else 0
+    return stop_tagged(token, grace) if token else 0
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -39,6 +39,29 @@ def _marked(marker: str) -> list[int]:
     return found
 
 
+def _holding(folder: str) -> list[int]:
+    """Processes with a file open (or their working directory) under ``folder``: Ray's
+    dashboard and runtime-env agents write their logs in the Ray session folder, and rewrite
+    their title over their environment, where the marker was."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            links = [os.readlink(f"/proc/{name}/cwd")] + [
+                os.readlink(f"/proc/{name}/fd/{fd}") for fd in os.listdir(f"/proc/{name}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith(folder.rstrip("/") + "/") for link in links):
+            found.append(int(name))
+    return found
+
+
+def _left(env: dict, marker: str) -> list[int]:
+    """The run's processes still alive: marked, or holding its Ray session's files."""
+    return sorted(set(_marked(marker)) | set(_holding(env["RAY_TMPDIR"])))
+
+
 @pytest.fixture
 def run_env(flower_env):
     """The Flower environment, a short private TMPDIR (the run's folder goes there) and a
@@ -47,7 +70,7 @@ def run_env(flower_env):
     marker = f"FEDPRIV_TEST_RUN={uuid.uuid4().hex}"
     env = {**flower_env, "TMPDIR": tmp, marker.split("=")[0]: marker.split("=")[1]}
     yield env, marker, Path(tmp)
-    leftover = _marked(marker)
+    leftover = _left(env, marker)
     for pid in leftover:
         os.kill(pid, signal.SIGKILL)
     assert not leftover, f"processes of the run left behind: {leftover}"
@@ -190,7 +213,7 @@ def test_ctrl_c_and_sigkill_stop_a_flower_run_whole_and_it_resumes(tmp_path, run
     assert proc.wait(timeout=90) == 128 + signal.SIGINT, log.read_text()[-3000:]
     text = log.read_text()
     assert "Traceback" not in text and "stopped by Ctrl-C" in text and "--resume" in text
-    assert _marked(marker) == [], "a process of the run outlived the command"
+    assert _left(env, marker) == [], "a process of the run outlived the command"
     time.sleep(2.0)
     assert checkpoint.load(ckpt)["completed"] == 2 and not out.exists()  # no ε after it
 
@@ -200,9 +223,9 @@ def test_ctrl_c_and_sigkill_stop_a_flower_run_whole_and_it_resumes(tmp_path, run
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     deadline = time.monotonic() + 60
-    while _marked(marker) and time.monotonic() < deadline:
+    while _left(env, marker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _marked(marker) == [], "the watcher did not stop the killed command's processes"
+    assert _left(env, marker) == [], "the watcher did not stop the killed command's processes"
     assert checkpoint.load(ckpt)["completed"] == 3 and not out.exists()
 
     done = subprocess.run([sys.executable, "-m", "fedpriv.cli", *argv, "--resume"], env=env,
@@ -213,6 +236,9 @@ def test_ctrl_c_and_sigkill_stop_a_flower_run_whole_and_it_resumes(tmp_path, run
     assert "done in" in done.stdout
     assert "default simulated SuperNodes changed" not in done.stdout  # Flower's noise
     assert "FutureWarning" not in done.stdout + done.stderr  # Ray's
+    # the ServerApp's last line, which stopped the run's processes when its results were
+    # written, is the command's own (the fixture checks that none is left, Ray's agents too)
+    assert "the ServerApp is done" not in done.stdout + done.stderr
 
 
 # ----- progress and quiet output -----------------------------------------------------------
@@ -243,3 +269,20 @@ def test_flowers_noise_is_filtered_and_the_run_kept():
                         "versions of Ray, Ray will no longer override accelerator visible\n")
     assert not flower_noise("fedpriv: noise multipliers init=5.975, round=13.36\n")
     assert not flower_noise("[2/7] round-1    epsilon_spent=0.7597\n")
+
+
+def test_a_small_run_gets_one_clientapp_actor_and_a_large_one_one_per_core(monkeypatch):
+    """The actor count follows the users' estimated work (fedpriv.cost): the default job's
+    0.1 s of user work gets one actor (a second would cost more to start than it saves), a
+    deep Fashion-MNIST run one per core, and so does a run whose nodes time out."""
+    from fedpriv.configure import parse_config
+    from fedpriv.launcher import client_actors
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert client_actors(parse_config({}), nodes=10) == 1
+    deep = parse_config({"algorithm": "deep-private-fedrep", "dataset": "fashion-mnist",
+                         "num-users": 2000})
+    assert client_actors(deep, nodes=10) == 4
+    assert client_actors(deep, nodes=3) == 3  # never more actors than nodes
+    timeouts = parse_config({"node-fault-rate": 0.2, "node-fault-kind": "timeout"})
+    assert client_actors(timeouts, nodes=10) == 4
