@@ -22,11 +22,9 @@ from pathlib import Path
 KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("documentation commands", re.compile(r"^test_docs\b")),
     ("deployments (SuperLink + SuperNodes as processes)",
-     re.compile(r"deploy|superlink|supernode|server_kill|tls", re.I)),
+     re.compile(r"^test_deployment::|_deployment_with_|restarted_supernode", re.I)),
     ("Flower simulation runs", re.compile(
-        r"^test_flower_(integration|reliability|example)\b|flower|through_flwr|simulation"
-        r"|superexec|ray_|_ray|session|sweep_shares|first_hour::.*(readme|two_runs|flwr)",
-        re.I)),
+        r"^test_flower_|flower|flwr|simulation|superlink|ray_|resum|ctrl_c|secure_run", re.I)),
     ("deep runs (torch)", re.compile(r"^test_deep|deep|fashion|fmnist|torch", re.I)),
 )
 OTHER = "in-process units and runs"

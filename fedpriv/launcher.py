@@ -24,6 +24,7 @@ from typing import Any
 
 from fedpriv.config import RunConfig
 from fedpriv.config_files import app_config_keys, for_flower, toml_value
+from fedpriv.cost import estimate
 from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
 from fedpriv.nodes import auto_num_nodes
@@ -303,8 +304,6 @@ def client_actors(config: RunConfig, nodes: int) -> int:
     """The ClientApp actors of a simulation: one per core (at most one per node), or one for a
     small run. A run whose nodes time out keeps one per core (more logical CPUs are given to
     Ray for it: a node that times out holds its actor)."""
-    from fedpriv.cost import estimate
-
     per_core = min(nodes, os.cpu_count() or 1)
     if config.node_fault_kind == "timeout" and config.node_fault_rate > 0:
         return per_core
@@ -360,14 +359,14 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith(SERVER_DONE) and line.strip() != done:
-                continue  # another command's ServerApp (a SuperLink kept running): not ours
-            if done and line.strip() == done:
-                # the results are written; what is left is Flower's and Ray's orderly shutdown
-                # (seconds): on a SuperLink of the run's own, every process of the run stops now
-                finished = True
-                if stop:  # a second to exit on SIGTERM (Ray's workers may wait on a raylet
-                    stop_started(grace=1.0)  # that is stopping too), then SIGKILL
+            if line.startswith(SERVER_DONE):  # never shown; another command's is not ours
+                finished = finished or line.strip() == done
+                if finished and stop:
+                    # the results are written; what is left is Flower's and Ray's orderly
+                    # shutdown (seconds): on a SuperLink of the run's own, the run's processes
+                    # get a second to exit on SIGTERM (Ray's workers may wait on a raylet that
+                    # is stopping too), then SIGKILL
+                    stop_started(grace=1.0)
                     break
                 continue
             if not quiet and not flower_noise(line):

@@ -35,22 +35,25 @@ def _log(text: str) -> None:
 
 
 def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
-    """Wait for the nodes, ask each its partition; returns {node id: partition id}."""
+    """Wait for the nodes, ask each its partition once; returns {node id: partition id}. A node
+    that registers later is asked when it appears (in a deployment each question starts a
+    ClientApp process on the node: the nodes that answered are not asked again)."""
     deadline = time.monotonic() + timeout
     expected = None
+    partitions: dict[int, int] = {}
     while True:
-        nodes = sorted(grid.get_node_ids())
-        if nodes:
-            msgs = [Message(RecordDict({}), dst_node_id=n, message_type=P.MSG_HELLO)
-                    for n in nodes]
-            partitions: dict[int, int] = {}
+        nodes = set(grid.get_node_ids())
+        partitions = {n: p for n, p in partitions.items() if n in nodes}  # a node that left
+        msgs = [Message(RecordDict({}), dst_node_id=n, message_type=P.MSG_HELLO)
+                for n in sorted(nodes - set(partitions))]
+        if msgs:
             for reply in grid.send_and_receive(msgs, timeout=timeout):
                 if reply.has_content():
                     cfg = reply.content[P.CONFIG]
                     partitions[reply.metadata.src_node_id] = int(_scalar(cfg[P.KEY_PARTITION]))
                     expected = int(_scalar(cfg[P.KEY_NUM_PARTITIONS]))
-            if expected is not None and set(partitions.values()) == set(range(expected)):
-                return partitions
+        if expected is not None and set(partitions.values()) == set(range(expected)):
+            return partitions
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(nodes)} node(s) of {expected or '?'} connected "
                                f"after {timeout:.0f}s")

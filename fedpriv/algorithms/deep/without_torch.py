@@ -27,21 +27,20 @@ INSTALL_TORCH = ("pip install torch==2.13.0 --index-url https://download.pytorch
                  "pip install -e \".[deep]\"")
 
 _P = "fedpriv.algorithms.deep."
-_PRIVATE: Mapping[str, Any] = PRIVATE_DEFAULTS
 _NONE: Mapping[str, Any] = {}
 # name, private, summary, config class, own defaults, implementation: as the real classes
 # declare them
 DEEP: tuple[tuple[str, bool, str, type[DeepLocalConfig], Mapping[str, Any], str], ...] = (
     ("deep-private-fedrep", True,
      "Private FedRep with a torch body and personal linear heads (real data)", DeepConfig,
-     _PRIVATE, _P + "private_fedrep:DeepPrivateFedRep"),
+     PRIVATE_DEFAULTS, _P + "private_fedrep:DeepPrivateFedRep"),
     ("deep-fedrep", False,
      "FedRep with a torch body, without noise (baseline; clipping optional)", DeepConfig,
      FEDREP_DEFAULTS, _P + "private_fedrep:DeepFedRep"),
     ("deep-dp-fedavg", True, "DP-FedAvg: one global torch model for every user (baseline)",
-     DeepConfig, _PRIVATE, _P + "dp_fedavg:DeepDPFedAvg"),
+     DeepConfig, PRIVATE_DEFAULTS, _P + "dp_fedavg:DeepDPFedAvg"),
     ("deep-dp-fedavg-ft", True, "DP-FedAvg, then each user fine-tunes the head locally",
-     DeepConfig, _PRIVATE, _P + "dp_fedavg:DeepDPFedAvgFT"),
+     DeepConfig, PRIVATE_DEFAULTS, _P + "dp_fedavg:DeepDPFedAvgFT"),
     ("deep-fedavg-ft", False,
      "FedAvg, then each user fine-tunes the head (non-private baseline)", DeepConfig,
      FEDAVG_FT_DEFAULTS, _P + "dp_fedavg:DeepFedAvgFT"),
