@@ -17,10 +17,17 @@ _WORKER_HOME: list[str] = []
 def pytest_configure(config: pytest.Config) -> None:
     """Flower's and Ray's state private to this test process: under pytest-xdist (the README's
     ``-n``) each worker gets its own FLWR_HOME and RAY_TMPDIR, so two workers never share a
-    Flower home or a Ray session folder (ports are free ones, chosen per run)."""
+    Flower home or a Ray session folder (ports are free ones, chosen per run). The accountant's
+    remembered answers are shared by the whole test run, and start empty."""
     for key, value in FLOWER_QUIET.items():
         os.environ.setdefault(key, value)
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker and "FEDPRIV_ACCOUNTING_CACHE" not in os.environ:
+        # the accountant's remembered answers (fedpriv.privacy.memo): one folder for this test
+        # run, made before the xdist workers start (they inherit it), never the user's cache
+        memo = tempfile.mkdtemp(prefix="fpmemo", dir="/tmp")
+        _WORKER_HOME.append(memo)
+        os.environ["FEDPRIV_ACCOUNTING_CACHE"] = memo
     if worker and not _WORKER_HOME:
         home = tempfile.mkdtemp(prefix=f"fp{worker}", dir="/tmp")  # Ray's socket paths: short
         _WORKER_HOME.append(home)

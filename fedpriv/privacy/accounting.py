@@ -22,13 +22,14 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from fedpriv.config import ACCOUNTANTS, NEIGHBOURING_RELATIONS
 from fedpriv.privacy.bounds import InfeasiblePlanError as InfeasiblePlanError
 from fedpriv.privacy.bounds import _gdp_epsilon, _gdp_mu
 from fedpriv.privacy.bounds import gdp_mu as gdp_mu
+from fedpriv.privacy.bounds import mean_sensitivity as mean_sensitivity
+from fedpriv.privacy.memo import remembered
 
 if TYPE_CHECKING:  # dp-accounting (a second of scipy imports) loads where it is used: not on nodes
     import dp_accounting
@@ -41,18 +42,6 @@ _RELATIONS = ("add-remove", "replace-one")
 _MU_FLOOR = 1e-6
 _MAX_DOUBLINGS = 40
 _MIN_MULTIPLIER = 0.05
-
-
-def mean_sensitivity(clip_norm: float, population: int, relation: str) -> float:
-    """L2 sensitivity of ``sum_i clip(g_i, clip_norm) / population`` with ``population`` fixed.
-
-    Adding or removing one user moves the sum by at most ``clip_norm``; replacing one user moves
-    it by at most ``2 clip_norm`` (the two clipped contributions may point in opposite ways).
-    """
-    if relation not in _RELATIONS:
-        raise ValueError(f"neighbouring relation must be one of {NEIGHBOURING_RELATIONS}")
-    factor = 1.0 if relation == "add-remove" else 2.0
-    return factor * clip_norm / population
 
 
 def make_accountant(kind: str, relation: str,
@@ -183,13 +172,13 @@ def epsilon_of(counts: Mapping[EventKey, int], delta: float, kind: str = "pld",
                            kind, relation)
 
 
-@lru_cache(maxsize=4096)
 def _epsilon_cached(items: tuple[tuple[EventKey, int], ...], delta: float, kind: str,
                     relation: str) -> float:
-    counts = dict(items)
-    acc = make_accountant(kind, relation, sampled=_sampled(counts))
-    acc.compose(composed_event(counts, relation))
-    return float(acc.get_epsilon(delta))
+    def compute() -> float:
+        acc = make_accountant(kind, relation, sampled=_sampled(dict(items)))
+        acc.compose(composed_event(dict(items), relation))
+        return float(acc.get_epsilon(delta))
+    return remembered("epsilon", (items, float(delta), kind, relation), compute)
 
 
 def _pure_epsilon(items: tuple[tuple[float, int], ...]) -> float:
@@ -241,6 +230,7 @@ def calibrate_gaussian_plan(
     confirm: bool = True,
 ) -> list[float]:
     """Noise multipliers, one per release group, so the plan spends at most (epsilon, delta).
+    Computed once per plan (``fedpriv.privacy.memo``: every process that runs it reads it back).
 
     ``confirm=False`` skips the accountant's confirmation of the closed form (unsampled PLD
     plans only; a search over many targets, such as a tuning's budget, confirms its final one).
@@ -252,6 +242,13 @@ def calibrate_gaussian_plan(
     is checked with the composition the run will perform and nudged up until the accountant
     confirms it does not overshoot the target.
     """
+    inputs = (tuple(releases), float(epsilon), float(delta), accountant, relation, confirm)
+    return remembered("calibrate", inputs, lambda: _calibrate(
+        releases, epsilon, delta, accountant, relation, confirm))
+
+
+def _calibrate(releases: Sequence[PlannedRelease], epsilon: float, delta: float,
+               accountant: str, relation: str, confirm: bool) -> list[float]:
     if not releases:
         raise InfeasiblePlanError("a privacy plan needs at least one release")
     if any(r.mechanism != "gaussian" for r in releases):

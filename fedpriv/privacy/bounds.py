@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from fedpriv.config import NEIGHBOURING_RELATIONS
+
 
 class InfeasiblePlanError(ValueError):
     """The requested privacy plan cannot meet its target."""
@@ -69,3 +71,15 @@ def skellam_rho(l2: float, l1: float, variance: float) -> float:
     mu = variance
     return l2 ** 2 / (2 * mu) + l2 ** 2 / (2 * mu ** 2) + max(6 * l1 - l2 ** 2, 0.0) / (
         8 * mu ** 2)
+
+
+def mean_sensitivity(clip_norm: float, population: int, relation: str) -> float:
+    """L2 sensitivity of ``sum_i clip(g_i, clip_norm) / population`` with ``population`` fixed.
+
+    Adding or removing one user moves the sum by at most ``clip_norm``; replacing one user moves
+    it by at most ``2 clip_norm`` (the two clipped contributions may point in opposite ways).
+    """
+    if relation not in NEIGHBOURING_RELATIONS:
+        raise ValueError(f"neighbouring relation must be one of {NEIGHBOURING_RELATIONS}")
+    factor = 1.0 if relation == "add-remove" else 2.0
+    return factor * clip_norm / population
