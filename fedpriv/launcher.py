@@ -108,6 +108,22 @@ def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
     return env
 
 
+RAY_PRESTART_ENV = "RAY_prestart_worker_first_driver"
+"""Ray's setting (read by its raylet) to start one idle Python worker per CPU when the first
+driver connects."""
+
+
+def actor_env(env: dict[str, str], actors: int) -> dict[str, str]:
+    """The environment of a process that starts a simulation's ClientApp actors (the SuperLink
+    that ``flwr run`` starts, a session's Ray head): each actor's share of the data cache
+    (``with_cache_share``), and Ray's pre-started workers off unless the user set them
+    (``RAY_PRESTART_ENV=0``): a simulation starts its actors itself, and the workers Ray
+    pre-starts beside them import Ray for nothing (about 3.5 CPU-seconds and 1.3 s of a small
+    run on 2 cores: docs/results.md, Start-up)."""
+    env.setdefault(RAY_PRESTART_ENV, "0")
+    return with_cache_share(env, actors)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,6 +180,7 @@ class FlowerSession:
         self.ray_address: str | None = None
         self.link: LocalSuperLink | None = None
         self._head: subprocess.Popen[bytes] | None = None
+        self._superlink: subprocess.Popen[bytes] | None = None
         self._tmp: str | None = None
         self._stop_superlink = False
 
@@ -189,9 +206,9 @@ class FlowerSession:
                  f"--ray-client-server-port={_free_port()}",
                  f"--dashboard-agent-listen-port={_free_port()}"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env=with_cache_share(tool_path({**os.environ,
-                                                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}),
-                                     self.num_cpus))
+                env=actor_env(tool_path({**os.environ,
+                                         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}),
+                              self.num_cpus))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 if "Ray runtime started" in log_path.read_text(errors="replace"):
@@ -207,19 +224,51 @@ class FlowerSession:
         raise RuntimeError("the sweep's Ray head did not start; the end of its log:\n"
                            + "\n".join(tail))
 
+    def start_superlink(self) -> None:
+        """Start the session's SuperLink now, as ``flwr run`` starts a local one (Flower's
+        ``flower-superlink`` in simulation mode), attached to the session's Ray head, so that
+        other processes submit to it by its port (``fedpriv run`` with
+        ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` and ``FLWR_LOCAL_CONTROL_API_PORT`` set to
+        ``link.port`` and ``link.control_port``). Without it, the session's first run starts it."""
+        link = self.link
+        if link is None or self.ray_address is None or self._tmp is None or link.running():
+            return  # not entered, or the user's named SuperLink (it has its own Ray)
+        env = actor_env(link.env({**os.environ, "RAY_ADDRESS": self.ray_address,
+                                  NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}),
+                        self.num_cpus)
+        state = Path(env["FLWR_HOME"], "local-superlink")
+        state.mkdir(parents=True, exist_ok=True)
+        log_path = state / "superlink.log"
+        with open(log_path, "w") as log:
+            self._superlink = subprocess.Popen(
+                ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+                 "--control-api-address", f"127.0.0.1:{link.control_port}", "--host",
+                 "127.0.0.1", "--port", str(link.port), "--database", str(state / "state.db")],
+                cwd=self._tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not link.running():
+            if self._superlink.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-20:]
+                raise RuntimeError("the session's SuperLink did not start; the end of its "
+                                   "log:\n" + "\n".join(tail))
+            time.sleep(0.2)
+
     def __exit__(self, *exc: object) -> None:
         if self._stop_superlink and self.link is not None:
             self.link.stop()
         self._stop_superlink = False
-        if self._head is not None and self._head.poll() is None:  # the Ray head's group
+        for started in (self._superlink, self._head):  # each process group: what they started
+            if started is None or started.poll() is not None:
+                continue
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
-                    os.killpg(self._head.pid, sig)
-                    self._head.wait(timeout=30)
+                    os.killpg(started.pid, sig)
+                    started.wait(timeout=30)
                     break
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue
-        self._head = None
+        self._head = self._superlink = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)  # the head's logs and sockets
             self._tmp = None
@@ -330,7 +379,7 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     actors = client_actors(config, nodes)
     cores = os.cpu_count() or 1
     federation = f"num-supernodes={nodes} client-resources-num-cpus={max(1, cores // actors)}"
-    with_cache_share(env, actors)
+    actor_env(env, actors)
     if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
             not ray_address):  # an existing cluster's CPUs are its own
         # a simulated node that times out holds its worker for node-timeout seconds:

@@ -91,6 +91,33 @@ def flower_env():
     shutil.rmtree(short, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def _worker_flower_session():
+    """This test process's own SuperLink and Ray head (``FlowerSession.start_superlink``),
+    started when a test first asks for them and stopped when the process ends."""
+    from fedpriv.launcher import FlowerSession
+
+    with FlowerSession() as session:
+        session.start_superlink()
+        yield session
+
+
+@pytest.fixture
+def shared_flower_env(_worker_flower_session):
+    """The environment of a Flower run whose test needs only its outputs: ``fedpriv run``
+    submits to this test process's running SuperLink (as to one a user named with
+    ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``) and leaves it running, so the SuperLink, its
+    SuperExec and Ray's head start once per test process instead of once per run. Variables
+    set here reach the command, not the ServerApp or the ClientApps (they run under the
+    SuperLink): a test whose apps read the environment, or that checks how a run starts or
+    stops, uses ``flower_env``."""
+    link = _worker_flower_session.link
+    assert link is not None and link.control_port is not None and link.home is not None
+    return {**os.environ, **FLOWER_QUIET, "FLWR_HOME": link.home,
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(link.port),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(link.control_port)}
+
+
 @pytest.fixture
 def flower_sessions(flower_env, monkeypatch):
     """The Flower environment in this process, and the list of every ``FlowerSession`` entered

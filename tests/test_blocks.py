@@ -124,3 +124,11 @@ def test_flower_actors_get_a_share_of_the_default_cache_unless_one_is_set():
     assert with_cache_share({}, 2) == {cohorts.CACHE_MB_ENV: str(cohorts.DEFAULT_CACHE_MB // 2)}
     assert with_cache_share({}, 1000)[cohorts.CACHE_MB_ENV] == "64"
     assert with_cache_share({cohorts.CACHE_MB_ENV: "300"}, 2) == {cohorts.CACHE_MB_ENV: "300"}
+
+
+def test_processes_that_start_actors_get_no_prestarted_ray_workers_unless_asked():
+    from fedpriv.launcher import RAY_PRESTART_ENV, actor_env
+
+    env = actor_env({}, 2)
+    assert env[RAY_PRESTART_ENV] == "0" and cohorts.CACHE_MB_ENV in env
+    assert actor_env({RAY_PRESTART_ENV: "1"}, 2)[RAY_PRESTART_ENV] == "1"  # the user's wins

@@ -68,8 +68,8 @@ def test_bad_config_fails_before_the_run_starts(tmp_path, flower_env):
     assert "epsilon" in proc.stderr and "Flower" not in proc.stdout
 
 
-def test_one_user_per_node_is_the_faithful_deployment(tmp_path, flower_env):
-    results, _ = run_cli(flower_env, tmp_path, num_users=12, dim=6, epsilon=8.0,
+def test_one_user_per_node_is_the_faithful_deployment(tmp_path, shared_flower_env):
+    results, _ = run_cli(shared_flower_env, tmp_path, num_users=12, dim=6, epsilon=8.0,
                          users_per_node=1, rounds=2)
     assert results["num_nodes"] == 12
     assert all(r["nodes_answered"] == 12 and r["users_contributing"] == 12
@@ -77,14 +77,14 @@ def test_one_user_per_node_is_the_faithful_deployment(tmp_path, flower_env):
     assert results["privacy"]["epsilon"] <= 8.0
 
 
-def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flower_env):
+def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, shared_flower_env):
     """Two released parts per round and steps covering one user group each, over Flower."""
     from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
 
     settings = dict(algorithm="priv-altmin", num_users=900, dim=8, epsilon=4.0, rounds=2,
                     user_groups=2, users_per_node=300, feature_clip=1e-4, response_clip=1e-4)
-    results, _ = run_cli(flower_env, tmp_path, **settings)
+    results, _ = run_cli(shared_flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     rounds = [r for r in results["rounds"] if r["step"].startswith("round")]
     assert [r["user_group"] for r in rounds] == [0, 1]
@@ -99,7 +99,7 @@ def test_priv_altmin_with_user_groups_matches_the_in_process_run(tmp_path, flowe
     assert results["privacy"]["epsilon"] == pytest.approx(local["privacy"]["epsilon"])
 
 
-def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env):
+def test_private_meta_clustering_matches_the_in_process_run(tmp_path, shared_flower_env):
     """Poisson-sampled tasks chosen on the nodes from the public seed, (q, d) releases."""
     from fedpriv.configure import parse_config
     from fedpriv.engine import run_in_process
@@ -108,7 +108,7 @@ def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env
                     task_std=0.5, num_users=600, dim=12, epsilon=4.0, rounds=4,
                     users_per_node=200, feature_dist="unit-ball", label_noise=0.5,
                     clip_norm=1.0, learning_rate=5.0, meta_lambda=0.2, delta=1e-5)
-    results, proc = run_cli(flower_env, tmp_path, **settings)
+    results, proc = run_cli(shared_flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     ledger = results["privacy"]["ledger"]
     assert [e["mechanism"] for e in ledger] == ["poisson-sampled gaussian"] * 4
@@ -124,7 +124,7 @@ def test_private_meta_clustering_matches_the_in_process_run(tmp_path, flower_env
     assert results["metrics"]["transfer_risk"] < results["metrics"]["local_risk"]
 
 
-def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flower_env):
+def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, shared_flower_env):
     """The exponential mechanism over Flower: each SuperNode scores every candidate for its
     users, the strategy samples; identical to the in-process run, pure epsilon in the ledger."""
     from fedpriv.configure import parse_config
@@ -132,7 +132,7 @@ def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flowe
 
     settings = dict(algorithm="a-exp", num_users=600, dim=8, rank=1, samples_per_user=6,
                     label_noise=0.1, epsilon=1.0, candidates=3000, users_per_node=200)
-    results, proc = run_cli(flower_env, tmp_path, **settings)
+    results, proc = run_cli(shared_flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     (entry,) = results["privacy"]["ledger"]
     assert entry["mechanism"] == "exponential" and results["privacy"]["delta"] == 0.0
@@ -145,7 +145,7 @@ def test_a_exp_nodes_score_and_the_server_samples_through_flower(tmp_path, flowe
         local["metrics"]["population_mse"], rel=1e-9)
 
 
-def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_env):
+def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, shared_flower_env):
     """Deep Private FedRep on real data (digits): the Flower simulation and the in-process
     engine give the same metrics, release and epsilon for the same seed (with the heads
     cross-fitted: the key reaches the nodes through Flower's run config), and the same
@@ -156,7 +156,7 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_e
     settings = dict(algorithm="deep-private-fedrep", num_users=60, hidden_sizes="32",
                     rounds=2, epsilon=8.0, delta=1e-5, users_per_node=20, users_per_round=30,
                     cross_fit=2, eval_every=1)
-    results, _ = run_cli(flower_env, tmp_path, **settings)
+    results, _ = run_cli(shared_flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
     local = run_in_process(parse_config(
         {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
@@ -172,11 +172,11 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, flower_e
     assert (tmp_path / "results.curve.png").is_file()  # drawn by the ServerApp
 
 
-def test_distributed_noise_shares_travel_through_flower(tmp_path, flower_env):
+def test_distributed_noise_shares_travel_through_flower(tmp_path, shared_flower_env):
     """aggregation = distributed through the real runtime: the share parameters reach the
     nodes in the broadcast, their int64 vectors mod 2^b come back, the server decodes the sum,
     and the ledger's epsilon is the run's; the release says who is trusted."""
-    results, _ = run_cli(flower_env, tmp_path, num_users=800, dim=10, epsilon=2.0,
+    results, _ = run_cli(shared_flower_env, tmp_path, num_users=800, dim=10, epsilon=2.0,
                          users_per_node=200, rounds=2, aggregation="distributed",
                          accountant="rdp")
     privacy = results["privacy"]

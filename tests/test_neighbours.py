@@ -142,11 +142,13 @@ def test_the_reviews_cases_move_a_fedpriv_run_release_at_most_the_sensitivity(tm
 
 @pytest.mark.integration
 @pytest.mark.parametrize("case", ["huge features"])
-def test_the_reviews_cases_through_flower_move_the_release_at_most_the_sensitivity(tmp_path,
-                                                                                  case):
+def test_the_reviews_cases_through_flower_move_the_release_at_most_the_sensitivity(
+        tmp_path, case, shared_flower_env, monkeypatch):
     """The review's worst case through the real Flower runtime (natural users hosted by a
     hash of their ids; the server knows no node's count): the same bound, and the in-process
     run's release. (An added user through real processes: test_deployment's own-rows test.)"""
+    for key, value in shared_flower_env.items():  # both runs on this test process's SuperLink
+        monkeypatch.setenv(key, value)
     rows = natural_rows()
     relation, changed = table_rows_case(case, rows)
     d = write_rows(rows, tmp_path / "D.csv", "csv")

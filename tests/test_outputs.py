@@ -180,13 +180,13 @@ def test_private_metrics_are_refused_where_they_cannot_be_released(name, why):
 
 @pytest.mark.integration
 def test_the_flower_app_writes_a_publishable_release_with_private_metrics(tmp_path,
-                                                                           flower_env):
+                                                                           shared_flower_env):
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "-m", "fedpriv.cli", "run", "--out", str(out),
                            "--set", "num-users=600", "--set", "rounds=2", "--set",
                            "secure-noise=true", "--set", "accountant=rdp", "--set",
                            "private-metrics=true"],
-                          env=flower_env, capture_output=True, text=True, timeout=480,
+                          env=shared_flower_env, capture_output=True, text=True, timeout=480,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     release = json.loads((tmp_path / "results.release.json").read_text())
