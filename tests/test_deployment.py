@@ -499,45 +499,6 @@ def test_superlink_and_supernodes_as_plain_processes_match_the_simulation(proces
 
 
 @pytest.mark.integration
-def test_tls_and_node_authentication_refuse_an_unregistered_supernode(processes):
-    """TLS everywhere and SuperNode authentication: two registered SuperNodes run the job; a
-    third, whose key is not registered, claims partition 1 too and is refused."""
-    certs = processes.short / "certs"
-    made = subprocess.run(_python([*dep.DEPLOY_COMMAND, "certs", str(certs), "--nodes", "3"]),
-                          capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0, made.stderr
-    d = dep.Deployment(num_nodes=2, superlink_host="127.0.0.1", bind_host="127.0.0.1",
-                       superlink_port=_free_port(),
-                       node_ports=tuple(_free_port() for _ in range(2)), certs=str(certs),
-                       mounted=False, app_dir=str(ROOT))
-    ca = str(certs / "public" / "ca.crt")
-    assert dep.check_health(d.superlink_address, ca) is False  # nothing listens yet
-    _start_superlink(processes, d, ca)
-    assert not dep.check_health(d.superlink_address, None)  # no plain HTTP on a TLS SuperLink
-    for _ in range(2):  # registering again (compose re-runs `register`) is harmless
-        reg = subprocess.run(_python(dep.register_command(d)), env=processes.env,
-                             capture_output=True, text=True, timeout=120)
-        assert reg.returncode == 0, reg.stdout + reg.stderr
-    for i in range(d.num_nodes):
-        processes.start(f"supernode-{i}", dep.supernode_command(d, i))
-    intruder = processes.start("intruder", dep.supernode_command(
-        d, 1, role="supernode-2", port=_free_port()))  # a valid key, but not registered
-    _wait(lambda: intruder.poll() is not None, 90, "the unregistered SuperNode to be refused")
-    assert intruder.returncode != 0
-    assert "Failed to activate SuperNode" in processes.log("intruder")
-
-    results = processes.short / "results" / "run.json"
-    _submit(processes, d, results)
-    _matches_the_simulation(json.loads(results.read_text()), nodes=2)
-    # the SuperLink knows exactly the two registered SuperNodes
-    listed = subprocess.run(["flwr", "supernode", "ls", d.connection, "--format", "json"],
-                            env=processes.env, capture_output=True, text=True, timeout=60)
-    assert listed.returncode == 0, listed.stderr
-    nodes = json.loads(listed.stdout[listed.stdout.index("{"):])["nodes"]
-    assert len(nodes) == 2 and {n["status"] for n in nodes} == {"online"}
-
-
-@pytest.mark.integration
 def test_simulation_attaches_to_an_existing_ray_cluster(processes):
     """A Ray head started as a separate process on 127.0.0.1; `fedpriv run --ray-address` runs
     the simulation on it instead of starting a Ray instance of its own."""

@@ -232,28 +232,39 @@ DEPLOYED = {"num-users": 600, "dim": 10, "rounds": 1, "epsilon": 2.0, "seed": 5,
 def test_a_secure_deployment_with_tls_and_node_authentication_resumes_after_a_server_kill(
         processes):  # noqa: F811 -- tests/test_deployment.py's fixture: stops all it started
     """SuperLink + 2 registered SuperNodes on 127.0.0.1, TLS and SuperNode authentication on,
-    aggregation = "secure". The ServerApp (the SuperLink's subprocess) is SIGKILLed after it
+    aggregation = "secure". A third SuperNode, whose valid key is not registered, claims
+    partition 1 too and is refused; the SuperLink lists exactly the two registered ones. The
+    ServerApp (the SuperLink's subprocess) is SIGKILLed after it
     checkpointed step 1 (init); the run submitted again with resume = true continues from there
     (its nodes, in a new Flower run, check a ledger with a release they did not see), and its
     ledger is that of an uninterrupted run. (Each SecAgg stage starts a ClientApp process on
     each SuperNode: about 45 s per step on 2 cores; one round after the kill shows the resume.)"""
     certs = processes.short / "certs"
-    made = subprocess.run(_python([*dep.DEPLOY_COMMAND, "certs", str(certs), "--nodes", "2"]),
+    made = subprocess.run(_python([*dep.DEPLOY_COMMAND, "certs", str(certs), "--nodes", "3"]),
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     d = dep.Deployment(num_nodes=2, superlink_host="127.0.0.1", bind_host="127.0.0.1",
                        superlink_port=_free_port(),
                        node_ports=tuple(_free_port() for _ in range(2)), certs=str(certs),
                        mounted=False, app_dir=str(ROOT))
+    ca = str(certs / "public" / "ca.crt")
+    assert dep.check_health(d.superlink_address, ca) is False  # nothing listens yet
     env = processes.env
     processes.env = {**env, checkpoint.PAUSE_ENV: "1"}  # the ServerApp holds after step 1
-    _start_superlink(processes, d, str(certs / "public" / "ca.crt"))
+    _start_superlink(processes, d, ca)
     processes.env = env
-    reg = subprocess.run(_python(dep.register_command(d)), env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert reg.returncode == 0, reg.stdout + reg.stderr
+    assert not dep.check_health(d.superlink_address, None)  # no plain HTTP on a TLS SuperLink
+    for _ in range(2):  # registering again (compose re-runs `register`) is harmless
+        reg = subprocess.run(_python(dep.register_command(d)), env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert reg.returncode == 0, reg.stdout + reg.stderr
     for i in range(d.num_nodes):
         processes.start(f"supernode-{i}", dep.supernode_command(d, i))
+    intruder = processes.start("intruder", dep.supernode_command(
+        d, 1, role="supernode-2", port=_free_port()))  # a valid key, but not registered
+    _wait(lambda: intruder.poll() is not None, 90, "the unregistered SuperNode to be refused")
+    assert intruder.returncode != 0
+    assert "Failed to activate SuperNode" in processes.log("intruder")
 
     results = processes.short / "results" / "run.json"
     ckpt = results.with_suffix(checkpoint.SUFFIX)
@@ -295,6 +306,12 @@ def test_a_secure_deployment_with_tls_and_node_authentication_resumes_after_a_se
     assert out["metrics"] == whole["metrics"] == {}  # no exact metrics reach the server
     assert whole["simulation_metrics"]["population_mse"] < (
         0.1 * whole["simulation_metrics"]["local_only_mse"])
+    # the SuperLink knows exactly the two registered SuperNodes
+    listed = subprocess.run(["flwr", "supernode", "ls", d.connection, "--format", "json"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    nodes = json.loads(listed.stdout[listed.stdout.index("{"):])["nodes"]
+    assert len(nodes) == 2 and {n["status"] for n in nodes} == {"online"}
 
 
 # -- docker compose ---------------------------------------------------------------------------
