@@ -15,7 +15,11 @@ from the time each line of the command's output arrives:
 * results and exit: the last step's line to the command's exit (summary, files, stopping
   the SuperLink and Ray).
 
-    python benchmarks/bench_startup.py --repeat 5
+Each run starts with an empty folder of the accountant's remembered answers
+(``FEDPRIV_ACCOUNTING_CACHE``): a first run's figures. ``--warm`` shares one folder, so every
+run but the first reads its privacy plan back (a config run again).
+
+    python benchmarks/bench_startup.py --repeat 5 [--warm]
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def phases(wall: float, lines: list[tuple[float, str]]) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--warm", action="store_true",
+                        help="one accountant cache for every run (a config run again)")
     args = parser.parse_args(argv)
     flower: list[list[float]] = []
     walls: dict[str, list[float]] = {"flower": [], "inprocess": []}
@@ -74,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
                 (home / "ray").mkdir(parents=True)
                 env = {**os.environ, "FLWR_HOME": str(home / "flwr"),
                        "RAY_TMPDIR": str(home / "ray"), "FLWR_TELEMETRY_ENABLED": "0",
-                       "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+                       "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                       "FEDPRIV_ACCOUNTING_CACHE": str(Path(tmp, "memo") if args.warm
+                                                       else home / "memo")}
                 cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out",
                        str(home / "run.json"), "--engine", engine]
                 wall, lines = timed_run(cmd, env)
@@ -83,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                     flower.append(phases(wall, lines))
                 print(f"run {i + 1}/{args.repeat} {engine}: {wall:.1f} s", flush=True)
     print(f"\nthe default job (`fedpriv run`), median of {args.repeat} runs, {os.cpu_count()} "
-          "cores\n\n| phase | seconds |\n|---|---:|")
+          f"cores, accountant cache {'warm' if args.warm else 'empty'}\n\n"
+          "| phase | seconds |\n|---|---:|")
     for name, values in zip(PHASES, zip(*flower, strict=True), strict=True):
         print(f"| {name} | {statistics.median(values):.1f} |")
     for engine, values in walls.items():
