@@ -231,8 +231,11 @@ class FlowerSession:
         ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` and ``FLWR_LOCAL_CONTROL_API_PORT`` set to
         ``link.port`` and ``link.control_port``). Without it, the session's first run starts it."""
         link = self.link
-        if link is None or self.ray_address is None or self._tmp is None or link.running():
-            return  # not entered, or the user's named SuperLink (it has its own Ray)
+        if link is None or self.ray_address is None or self._tmp is None or link.named:
+            raise RuntimeError("start_superlink needs an entered session of its own (not a "
+                               "SuperLink named with FLWR_LOCAL_SUPERLINK_HTTP_API_PORT)")
+        if link.running():
+            raise RuntimeError(f"the session's SuperLink port {link.port} was taken meanwhile")
         env = actor_env(link.env({**os.environ, "RAY_ADDRESS": self.ray_address,
                                   NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}),
                         self.num_cpus)
@@ -258,20 +261,36 @@ class FlowerSession:
         if self._stop_superlink and self.link is not None:
             self.link.stop()
         self._stop_superlink = False
-        for started in (self._superlink, self._head):  # each process group: what they started
-            if started is None or started.poll() is not None:
-                continue
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(started.pid, sig)
-                    started.wait(timeout=30)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
+        for started in (self._superlink, self._head):  # each process group, what they started
+            if started is not None:  # included: the group outlives a leader that has exited
+                _stop_group(started)
         self._head = self._superlink = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)  # the head's logs and sockets
             self._tmp = None
+
+
+def _stop_group(leader: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL, to the process group ``leader`` started (its own session):
+    every process of the group, the leader's children included, whether or not the leader
+    is still running."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(leader.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(leader.pid, 0)
+            except ProcessLookupError:
+                break
+            leader.poll()  # reap the leader
+            time.sleep(0.1)
+        else:
+            continue
+        break
+    leader.poll()
 
 
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,

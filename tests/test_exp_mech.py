@@ -17,9 +17,9 @@ from fedpriv.privacy.accounting import (
     PlannedRelease,
     calibrate_gaussian_plan,
     epsilon_of,
-    pure_plan_epsilons,
 )
 from fedpriv.privacy.mechanisms import exponential_log_weights, exponential_mechanism
+from fedpriv.privacy.pure import pure_plan_epsilons
 from fedpriv.server import NodeReply, PrivateServer
 
 A_EXP = {"algorithm": "a-exp", "num-users": 1000, "dim": 8, "rank": 1, "samples-per-user": 6,

@@ -189,21 +189,6 @@ def _pure_epsilon(items: tuple[tuple[float, int], ...]) -> float:
     return float(sum(eps * n for eps, n in items))
 
 
-def pure_plan_epsilons(releases: Sequence[PlannedRelease], epsilon: float) -> list[float]:
-    """Per-release epsilons of a pure plan: ``epsilon * w_j / sum(count * w)`` (pure DP composes
-    additively at delta = 0), confirmed by the accountant."""
-    if not releases or any(r.mechanism != "exponential" for r in releases):
-        raise InfeasiblePlanError("a pure plan holds exponential-mechanism releases only")
-    if epsilon <= 0 or any(r.weight <= 0 or r.count < 1 for r in releases):
-        raise InfeasiblePlanError("a pure plan needs epsilon > 0 and weights > 0")
-    total = sum(r.count * r.weight for r in releases)
-    split = [epsilon * r.weight / total for r in releases]
-    spent = epsilon_of({(e, PURE): r.count for r, e in zip(releases, split, strict=True)}, 0.0)
-    if spent > epsilon * (1 + 1e-9):
-        raise InfeasiblePlanError(f"the pure plan spends {spent} > epsilon={epsilon}")
-    return split
-
-
 def plan_counts(releases: Sequence[PlannedRelease],
                  multipliers: Sequence[float]) -> dict[EventKey, int]:
     """The plan as the run will compose it, so the epsilon checked at calibration is exactly the
@@ -230,7 +215,8 @@ def calibrate_gaussian_plan(
     confirm: bool = True,
 ) -> list[float]:
     """Noise multipliers, one per release group, so the plan spends at most (epsilon, delta).
-    Computed once per plan (``fedpriv.privacy.memo``: every process that runs it reads it back).
+    Computed once per plan (``fedpriv.privacy.memo``: a later process reads it back and
+    confirms it with one composition).
 
     ``confirm=False`` skips the accountant's confirmation of the closed form (unsampled PLD
     plans only; a search over many targets, such as a tuning's budget, confirms its final one).
@@ -242,9 +228,25 @@ def calibrate_gaussian_plan(
     is checked with the composition the run will perform and nudged up until the accountant
     confirms it does not overshoot the target.
     """
-    inputs = (tuple(releases), float(epsilon), float(delta), accountant, relation, confirm)
-    return remembered("calibrate", inputs, lambda: _calibrate(
-        releases, epsilon, delta, accountant, relation, confirm))
+    plan = tuple(PlannedRelease(str(r.name), float(r.weight), int(r.count),
+                                float(r.sampling_rate), str(r.mechanism),
+                                None if r.multiplier is None else float(r.multiplier))
+                 for r in releases)  # plain Python values: the key is exactly what is computed
+    eps, delta = float(epsilon), float(delta)
+
+    def confirmed(z: list[float]) -> bool:
+        """A calibration read from a file, confirmed here by the accountant: one multiplier per
+        release, the fixed ones unchanged, and the whole plan spending its target (within 1%)
+        and no more."""
+        if not isinstance(z, list) or len(z) != len(plan) or any(
+                r.multiplier is not None and v != r.multiplier for r, v in zip(plan, z,
+                                                                              strict=True)):
+            return False
+        return 0.99 * eps <= plan_epsilon(plan, z, delta, accountant, relation) <= eps
+
+    return remembered("calibrate", (plan, eps, delta, accountant, relation, confirm),
+                      lambda: _calibrate(plan, eps, delta, accountant, relation, confirm),
+                      check=confirmed if confirm else None)
 
 
 def _calibrate(releases: Sequence[PlannedRelease], epsilon: float, delta: float,
@@ -253,7 +255,7 @@ def _calibrate(releases: Sequence[PlannedRelease], epsilon: float, delta: float,
         raise InfeasiblePlanError("a privacy plan needs at least one release")
     if any(r.mechanism != "gaussian" for r in releases):
         raise InfeasiblePlanError("a Gaussian plan cannot hold exponential-mechanism releases "
-                                  "(see pure_plan_epsilons)")
+                                  "(see fedpriv.privacy.pure)")
     if epsilon <= 0 or not 0 < delta < 1:
         raise InfeasiblePlanError(f"target must have epsilon > 0 and 0 < delta < 1, got "
                                   f"({epsilon}, {delta})")

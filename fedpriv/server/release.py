@@ -41,7 +41,6 @@ from fedpriv.privacy.accounting import (
     PlannedRelease,
     calibrate_gaussian_plan,
     mean_sensitivity,
-    pure_plan_epsilons,
 )
 from fedpriv.privacy.discrete import (
     CryptoRandom,
@@ -53,6 +52,7 @@ from fedpriv.privacy.discrete import (
 )
 from fedpriv.privacy.grid import FLOAT_SLACK, central_grid
 from fedpriv.privacy.mechanisms import exponential_mechanism
+from fedpriv.privacy.pure import pure_plan_epsilons
 from fedpriv.randomness import noise_generator
 from fedpriv.server.discrete import SharePlan, accountant_kind, accounting_delta, ledger_parts
 
