@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from fedpriv.config import ACCOUNTANTS, NEIGHBOURING_RELATIONS
@@ -172,13 +173,13 @@ def epsilon_of(counts: Mapping[EventKey, int], delta: float, kind: str = "pld",
                            kind, relation)
 
 
+@lru_cache(maxsize=4096)  # memory only: every process computes the epsilons it reports
 def _epsilon_cached(items: tuple[tuple[EventKey, int], ...], delta: float, kind: str,
                     relation: str) -> float:
-    def compute() -> float:
-        acc = make_accountant(kind, relation, sampled=_sampled(dict(items)))
-        acc.compose(composed_event(dict(items), relation))
-        return float(acc.get_epsilon(delta))
-    return remembered("epsilon", (items, float(delta), kind, relation), compute)
+    counts = dict(items)
+    acc = make_accountant(kind, relation, sampled=_sampled(counts))
+    acc.compose(composed_event(counts, relation))
+    return float(acc.get_epsilon(delta))
 
 
 def _pure_epsilon(items: tuple[tuple[float, int], ...]) -> float:
@@ -244,9 +245,11 @@ def calibrate_gaussian_plan(
             return False
         return 0.99 * eps <= plan_epsilon(plan, z, delta, accountant, relation) <= eps
 
+    if not confirm:  # unconfirmed (a search's intermediate plans): computed, never kept
+        return _calibrate(plan, eps, delta, accountant, relation, confirm)
     return remembered("calibrate", (plan, eps, delta, accountant, relation, confirm),
                       lambda: _calibrate(plan, eps, delta, accountant, relation, confirm),
-                      check=confirmed if confirm else None)
+                      check=confirmed)
 
 
 def _calibrate(releases: Sequence[PlannedRelease], epsilon: float, delta: float,

@@ -68,17 +68,17 @@ def folder() -> Path | None:
 
 
 def remembered(kind: str, inputs: object, compute: Callable[[], Answer],
-               check: Callable[[Answer], bool] | None = None) -> Answer:
+               check: Callable[[Answer], bool]) -> Answer:
     """``compute()``'s answer for ``inputs`` (plain Python values with an exact ``repr``): from
-    this process's memory, else from the folder if ``check`` is given and accepts it (a file is
-    never used unchecked), else computed and kept. ``kind`` names the question."""
+    this process's memory, else from the folder if ``check`` accepts it (a file is never used
+    unchecked), else computed and kept. ``kind`` names the question."""
     key = hashlib.sha256(f"{kind}\n{inputs!r}\n{_identity()}".encode()).hexdigest()
     known = _memory.get(key)
     if known is not None:
         return list(known) if isinstance(known, list) else known  # type: ignore[return-value]
-    where = folder() if check is not None else None
+    where = folder()
     path = where / key[:2] / f"{key}.json" if where is not None else None
-    if path is not None and check is not None:
+    if path is not None:
         stored = _read(path, kind, repr(inputs))
         if stored is not None and check(stored):  # type: ignore[arg-type]
             _keep(key, stored)
