@@ -29,6 +29,9 @@ from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
 from fedpriv.nodes import auto_num_nodes
 from fedpriv.outputs import unclaim
+from fedpriv.ray_head import RayHead
+from fedpriv.ray_head import free_port as _free_port
+from fedpriv.ray_head import stop_group as _stop_group
 from fedpriv.stopping import (
     SERVER_DONE,
     keep_running,
@@ -108,6 +111,8 @@ def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
     return env
 
 
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's setting that, at ``0``, keeps a driver on the loopback address it was given."""
 RAY_PRESTART_ENV = "RAY_prestart_worker_first_driver"
 """Ray's setting (read by its raylet) to start one idle Python worker per CPU when the first
 driver connects."""
@@ -122,12 +127,6 @@ def actor_env(env: dict[str, str], actors: int) -> dict[str, str]:
     run on 2 cores: docs/results.md, Start-up)."""
     env.setdefault(RAY_PRESTART_ENV, "0")
     return with_cache_share(env, actors)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ class FlowerSession:
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.ray_address: str | None = None
         self.link: LocalSuperLink | None = None
-        self._head: subprocess.Popen[bytes] | None = None
+        self._head: RayHead | None = None
         self._superlink: subprocess.Popen[bytes] | None = None
         self._tmp: str | None = None
         self._stop_superlink = False
@@ -195,34 +194,17 @@ class FlowerSession:
         if self.link.named and self.link.running():
             return self  # the SuperLink the user named: use it, never stop it
         self._stop_superlink = True
-        log_path = Path(self._tmp, "head.log")
         for _ in range(2):  # a head that exits at start-up (a port taken meanwhile) gets one retry
-            port = _free_port()
-            log = open(log_path, "w")  # noqa: SIM115 -- kept open
-            self._head = subprocess.Popen(
-                ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                 f"--port={port}", f"--num-cpus={self.num_cpus}", "--include-dashboard=false",
-                 "--disable-usage-stats", f"--temp-dir={self._tmp}",
-                 f"--ray-client-server-port={_free_port()}",
-                 f"--dashboard-agent-listen-port={_free_port()}"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env=actor_env(tool_path({**os.environ,
-                                         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}),
-                              self.num_cpus))
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if "Ray runtime started" in log_path.read_text(errors="replace"):
-                    self.ray_address = f"127.0.0.1:{port}"
-                    return self
-                if self._head.poll() is not None:
-                    break
-                time.sleep(0.5)
-            if self._head.poll() is None:  # still starting after the deadline: no retry
+            head = self._head = RayHead(self._tmp, self.num_cpus,
+                                        actor_env(dict(os.environ), self.num_cpus))
+            if head.wait(timeout=120):
+                self.ray_address = head.address
+                return self
+            if not head.exited():  # still starting after the deadline: no retry
                 break
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-20:]
+        tail = head.log_tail()
         self.__exit__(None, None, None)  # removes the log with the head's folder: quote it
-        raise RuntimeError("the sweep's Ray head did not start; the end of its log:\n"
-                           + "\n".join(tail))
+        raise RuntimeError("the sweep's Ray head did not start; the end of its log:\n" + tail)
 
     def start_superlink(self) -> None:
         """Start the session's SuperLink now, as ``flwr run`` starts a local one (Flower's
@@ -237,6 +219,7 @@ class FlowerSession:
         if link.running():
             raise RuntimeError(f"the session's SuperLink port {link.port} was taken meanwhile")
         env = actor_env(link.env({**os.environ, "RAY_ADDRESS": self.ray_address,
+                                  RAY_LOOPBACK_ENV: "0",
                                   NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}),
                         self.num_cpus)
         state = Path(env["FLWR_HOME"], "local-superlink")
@@ -261,47 +244,57 @@ class FlowerSession:
         if self._stop_superlink and self.link is not None:
             self.link.stop()
         self._stop_superlink = False
-        for started in (self._superlink, self._head):  # each process group, what they started
-            if started is not None:  # included: the group outlives a leader that has exited
-                _stop_group(started)
+        if self._superlink is not None:  # each process group, what they started included:
+            _stop_group(self._superlink)  # the group outlives a leader that has exited
+        if self._head is not None:
+            self._head.stop(grace=10.0)
         self._head = self._superlink = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)  # the head's logs and sockets
             self._tmp = None
 
 
-def _stop_group(leader: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL, to the process group ``leader`` started (its own session):
-    every process of the group, the leader's children included, whether or not the leader
-    is still running."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(leader.pid, sig)
-        except ProcessLookupError:
-            break  # the group is gone
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(leader.pid, 0)
-            except ProcessLookupError:
-                break
-            leader.poll()  # reap the leader
-            time.sleep(0.1)
-        else:
-            continue
-        break
-    leader.poll()
+def early_ray_head(config: RunConfig, keep_superlink: bool,
+                   ray_address: str | None) -> RayHead | None:
+    """A Ray head for this run, started now in the background (``RayHead``), so that it gets
+    ready while the command checks the config and Flower starts its processes; None where the
+    run attaches to a cluster of the user's, keeps its SuperLink (which keeps its own Ray), or
+    submits to a SuperLink the user named, or outside a guarded command (no run folder)."""
+    folder = run_folder()
+    named = os.environ.get(LOCAL_SUPERLINK_PORT_ENV, "")
+    if (ray_address or keep_superlink or not folder
+            or (named.isdigit() and _port_open(int(named)))):
+        return None
+    actors = client_actors(config, auto_num_nodes(config.num_users, config.users_per_node))
+    return RayHead(folder, ray_cpus(config), actor_env(dict(os.environ), actors))
+
+
+def ray_cpus(config: RunConfig) -> int:
+    """The logical CPUs of a run's own Ray instance: the machine's cores; more for a run whose
+    simulated nodes time out (a node that times out holds its worker for node-timeout
+    seconds: more workers than cores keep the others from queueing behind it)."""
+    cores = os.cpu_count() or 1
+    if config.node_fault_kind == "timeout" and config.node_fault_rate > 0:
+        return max(8, 2 * cores)
+    return cores
 
 
 def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superlink: bool,
                quiet: bool = False, ray_address: str | None = None,
-               session: FlowerSession | None = None) -> int:
+               session: FlowerSession | None = None, head: RayHead | None = None) -> int:
     """Run through Flower's simulation engine, on a local SuperLink of the run's own
     (``LocalSuperLink``; a session's, or one the user named). ``ray_address``: attach the
     simulation to that existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink
     that ``flwr run`` starts and by its simulation process) instead of starting a Ray
     instance of its own. ``session``: one of several runs sharing the session's SuperLink and
-    Ray head."""
+    Ray head. ``head``: the run's own Ray head (``early_ray_head``), attached to the same way;
+    the caller stops it."""
+    if head is not None:
+        if head.exited():
+            print("fedpriv: the run's Ray head did not start; the end of its log:\n"
+                  + head.log_tail(), file=sys.stderr)
+            return 1
+        ray_address = head.address
     folder = run_folder()  # the guarded command's: removed however the command ends
     with tempfile.TemporaryDirectory(prefix="fedpriv-run-", dir=folder) as tmp:
         if session is not None and session.link is not None:
@@ -329,6 +322,10 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
                       "instance); stop it first", file=sys.stderr)
                 return 2
             env["RAY_ADDRESS"] = ray_address
+            if ray_address.startswith(("127.0.0.1:", "localhost:")):
+                # without it, Ray (on Linux) replaces a loopback address by the machine's own
+                # IP, which a head bound to 127.0.0.1 (ours) never answers: the driver hangs
+                env[RAY_LOOPBACK_ENV] = "0"
         if not started_here and session is None:
             # a SuperLink already running does not carry this command's token (the claim's
             # proof of ownership): its ServerApp would take the claim for another run's
@@ -399,11 +396,8 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     cores = os.cpu_count() or 1
     federation = f"num-supernodes={nodes} client-resources-num-cpus={max(1, cores // actors)}"
     actor_env(env, actors)
-    if config.node_fault_kind == "timeout" and config.node_fault_rate > 0 and (
-            not ray_address):  # an existing cluster's CPUs are its own
-        # a simulated node that times out holds its worker for node-timeout seconds:
-        # more (logical) workers than cores keep the others from queueing behind it
-        federation += f" init-args-num-cpus={max(8, 2 * (os.cpu_count() or 1))}"
+    if ray_cpus(config) > cores and not ray_address:  # a cluster's CPUs are its own
+        federation += f" init-args-num-cpus={ray_cpus(config)}"
     cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
            "--federation-config", federation]
     if not quiet:

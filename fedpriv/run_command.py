@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from fedpriv.config import ConfigError
+from fedpriv.config import ConfigError, RunConfig
 from fedpriv.config_files import load_run_config
 from fedpriv.configure import parse_config
-from fedpriv.launcher import run_flower
+from fedpriv.launcher import early_ray_head, run_flower
+from fedpriv.ray_head import RayHead
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -62,6 +63,31 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_claimed(args: argparse.Namespace, values: dict[str, object], out: Path) -> int:
     """``fedpriv run`` once its output names are claimed: check, run, write, report."""
     from fedpriv import checkpoint
+    from fedpriv.privacy.accounting import InfeasiblePlanError
+
+    ckpt = head = None
+    try:
+        # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
+        values["results-path"] = str(out)
+        config = parse_config(values, strict=True)
+        ckpt = checkpoint.checkpoint_path(config) if config.checkpoint else None
+        values.update({"results-path": str(out), "checkpoint-path": str(ckpt or "")})
+        config = parse_config(values, strict=True)
+        if args.engine == "flower":  # Ray starts while the plan is checked and Flower starts
+            head = early_ray_head(config, args.keep_superlink, args.ray_address)
+        return _checked_run(args, values, out, config, ckpt, head)
+    except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
+        print(f"fedpriv: invalid config: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if head is not None:
+            head.stop()
+
+
+def _checked_run(args: argparse.Namespace, values: dict[str, object], out: Path,
+                 config: RunConfig, ckpt: Path | None, head: RayHead | None) -> int:
+    """``fedpriv run`` once its config parses: check the plan and inputs, run, write, report."""
+    from fedpriv import checkpoint
     from fedpriv.cost import estimate_line
     from fedpriv.engine import run_in_process
     from fedpriv.outputs import output_lines, release_path, run_files, write_outputs
@@ -70,14 +96,7 @@ def _run_claimed(args: argparse.Namespace, values: dict[str, object], out: Path)
     from fedpriv.server import check_run, silent_run, summary_lines
     from fedpriv.stopping import Interrupted, stop_started
 
-    ckpt = None
     try:
-        # absolute paths: the Flower ServerApp resolves relative ones against its own cwd
-        values["results-path"] = str(out)
-        config = parse_config(values, strict=True)
-        ckpt = checkpoint.checkpoint_path(config) if config.checkpoint else None
-        values.update({"results-path": str(out), "checkpoint-path": str(ckpt or "")})
-        config = parse_config(values, strict=True)
         check_run(config, ckpt)  # plan, budget ceiling, and on resume the checkpoint
         get_algorithm(config.algorithm).check_inputs(config)  # e.g. every cell of a data file
     except (ConfigError, InfeasiblePlanError, checkpoint.CheckpointError) as err:
@@ -110,7 +129,7 @@ def _run_claimed(args: argparse.Namespace, values: dict[str, object], out: Path)
             print(f"fedpriv: done in {command_seconds():.1f} s (the whole command)")
             return _silent(silent_run(results))
         code = run_flower(config, values, out, args.keep_superlink,
-                          ray_address=args.ray_address)
+                          ray_address=args.ray_address, head=head)
     except Interrupted as signalled:
         stop_started()  # frozen, then stopped: no step completes after the signal
         print(_stopped_line(signalled, ckpt, _resume_command(args, out)), file=sys.stderr,

@@ -31,6 +31,7 @@ from fedpriv.privacy.accounting import (
     epsilon_of,
     make_accountant,
 )
+from fedpriv.privacy.bounds import _gdp_delta, _gdp_epsilon
 
 __all__ = ["PldAccountant", "calibrate_noise_multiplier"]
 
@@ -88,9 +89,9 @@ class PldAccountant:
         self._compositions.append((event, count))
 
     def get_epsilon(self, delta: float) -> float:
-        """Return cumulative epsilon at the supplied delta."""
+        """Return cumulative epsilon at the supplied delta (``_spent``)."""
         _validate_delta(delta)
-        return epsilon_of(self._counts(), float(delta), _KIND, _RELATION)
+        return _spent(self._counts(), float(delta))
 
     def get_delta(self, epsilon: float) -> float:
         """Return cumulative delta at the supplied epsilon."""
@@ -98,6 +99,8 @@ class PldAccountant:
         counts = self._counts()
         if not counts:
             return 0.0
+        if _tiny(counts):
+            return _gdp_delta(_unsampled_mu(counts), float(epsilon))
         backend = make_accountant(_KIND, _RELATION, sampled=any(q < 1.0 for _, q in counts))
         backend.compose(composed_event(counts, _RELATION))
         return float(backend.get_delta(float(epsilon)))
@@ -109,7 +112,7 @@ class PldAccountant:
             epsilon=self.get_epsilon(target_delta),
             delta=target_delta,
             num_releases=self.num_releases,
-            accounting_method=_ACCOUNTING_METHOD,
+            accounting_method="gdp" if _tiny(self._counts()) else _ACCOUNTING_METHOD,
         )
 
     def would_exceed(
@@ -132,7 +135,7 @@ class PldAccountant:
         counts = self._counts()
         key = self._key(event)
         counts[key] = counts.get(key, 0) + count
-        spent = epsilon_of(counts, self._config.target_delta, _KIND, _RELATION)
+        spent = _spent(counts, self._config.target_delta)
         return bool(spent > limit)
 
     def state_dict(self) -> dict[str, object]:
@@ -205,6 +208,32 @@ class PldAccountant:
             raise ValueError(
                 "Privacy event population_size does not match PrivacyConfig: "
                 f"{event.population_size} != {self._config.population_size}.")
+
+
+TINY_MULTIPLIER = 0.05
+"""Below this noise multiplier (fedpriv's calibration floor) dp-accounting's privacy-loss
+distribution would need a grid of gigabytes (tens at 1e-3): such events are accounted in
+closed form instead (``_spent``)."""
+
+
+def _tiny(counts: dict[EventKey, int]) -> bool:
+    return any(z < TINY_MULTIPLIER for z, _ in counts)
+
+
+def _unsampled_mu(counts: dict[EventKey, int]) -> float:
+    """The mu of the composition as mu-GDP, sampling ignored: each Gaussian release of
+    multiplier z is exactly (1/z)-GDP, and mu-GDP composes as the root of the sum of squares."""
+    return math.sqrt(sum(count / z**2 for (z, _), count in counts.items()))
+
+
+def _spent(counts: dict[EventKey, int], delta: float) -> float:
+    """The epsilon of the composition at ``delta``: fedpriv's PLD accounting, or, when an
+    event's multiplier is below ``TINY_MULTIPLIER`` (a debug run with the noise nearly off),
+    the exact epsilon of the unsampled composition as mu-GDP (Dong, Roth & Su), an upper bound
+    when events were sampled (sampling only lowers it), ``inf`` beyond 1e4."""
+    if _tiny(counts):
+        return _gdp_epsilon(_unsampled_mu(counts), delta)
+    return epsilon_of(counts, delta, _KIND, _RELATION)
 
 
 def calibrate_noise_multiplier(

@@ -114,6 +114,7 @@ class RoundSum:
     nodes: int = 0
     failed: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)  # the failed replies' reasons
 
     def __post_init__(self) -> None:
         self.total = np.zeros(self.size)

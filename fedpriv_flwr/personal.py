@@ -60,10 +60,14 @@ from flwr.common.constant import ErrorCode
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SCHEDULES", "STATE_KEY", "Phase", "personal_keys", "personal_phases",
+__all__ = ["PERSONAL_CONFIG", "SCHEDULES", "STATE_KEY", "Phase", "personal_keys", "personal_phases",
            "personalize", "state_file"]
 
 SCHEDULES = ("fedrep", "finetune")
+PERSONAL_CONFIG = "fedpriv-personal-layers"
+"""Config key of the server's personal-layer pattern (``PrivateStrategy`` sends it with every
+train/evaluate message; ``""``: none): the mod refuses a message whose pattern is not its own
+(``fedrep``: the same; ``finetune``: none), before any training."""
 STATE_KEY = "fedpriv.personal"
 """Key of the mod's ConfigRecord in ``context.state`` (pattern, schedule, kind, source)."""
 _ARRAYS_KEY = STATE_KEY + ".arrays."
@@ -119,6 +123,10 @@ def personalize(pattern: str, schedule: str = "fedrep",
         kind = msg.metadata.message_type.split(".", 1)[0]
         if kind not in ("train", "evaluate") or not msg.has_content():
             return call_next(msg, context)
+        expected = _server_pattern(msg)
+        mine = pattern if schedule == "fedrep" else ""
+        if expected is not None and expected != mine:
+            return _error_reply(msg, _mismatch(expected, pattern, schedule))
         directory = context.node_config.get(state_dir_key)
         store = _Store(context, pattern, str(directory) if directory else None)
         try:
@@ -138,6 +146,24 @@ def personalize(pattern: str, schedule: str = "fedrep",
 
     personalize_mod.__name__ = f"personalize({pattern!r}, {schedule!r})"
     return personalize_mod
+
+
+def _server_pattern(msg: Message) -> str | None:
+    """The personal-layer pattern the server sent (``PERSONAL_CONFIG``; ``""``: none), or None
+    from a server that sends none (a strategy other than ``PrivateStrategy``)."""
+    for record in msg.content.config_records.values():
+        if PERSONAL_CONFIG in record:
+            return str(record[PERSONAL_CONFIG])
+    return None
+
+
+def _mismatch(expected: str, pattern: str, schedule: str) -> str:
+    server = (f"PrivateStrategy(personal_layers={expected!r})" if expected
+              else "PrivateStrategy without personal_layers")
+    need = (f"personal_layers={pattern!r} on the server" if schedule == "fedrep"
+            else "no personal_layers on the server, or schedule='fedrep' here")
+    return (f"schedule mismatch: the server runs {server}, this node's mod "
+            f"personalize({pattern!r}, schedule={schedule!r}) needs {need}")
 
 
 def _prepare(msg: Message, store: _Store, regex: re.Pattern[str], schedule: str) -> str:

@@ -25,12 +25,10 @@ count); ``exact_metrics="operator-only"`` adds them to Flower's result under an
 
 from __future__ import annotations
 
-import copy
-import math
-import pickle
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,7 +39,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedpriv import checkpoint
 from fedpriv.privacy.accounting import mean_sensitivity
 from fedpriv.privacy.discrete import CryptoRandom
 from fedpriv.privacy.mechanisms import adapted_clip
@@ -55,17 +52,30 @@ from fedpriv_flwr.aggregate import (
     noisy_mean,
     reply_update,
 )
+from fedpriv_flwr.agreement import (
+    PERSONAL_CONFIG,
+    ScheduleMismatch,
+    no_reply_reason,
+    no_reply_summary,
+    population_warning,
+    schedule_mismatch,
+    train_sampling_rate,
+)
 from fedpriv_flwr.checks import check_inner_strategy, personal_of
 from fedpriv_flwr.grid import noisy_mean_on_grid
+from fedpriv_flwr.metrics import read_metrics
 from fedpriv_flwr.outputs import release_document, write_outputs
+from fedpriv_flwr.parity import FlowerDPView
 from fedpriv_flwr.plan import EVALUATE, ROUND, UNCLIPPED_PART, PrivatePlan, evaluate_rounds
+from fedpriv_flwr.replies import count_metric, reply_arrays
+from fedpriv_flwr.resume import load_state, save_state
 
 CLIP_CONFIG = "fedpriv-clip-norm"  # sent to the nodes each round (multi-user nodes clip with it)
 RATE_CONFIG = "fedpriv-sampling-rate"  # multi-user nodes sample their users with it
 _SAMPLE_STREAM = 0x5A3
 
 
-class PrivateStrategy(Strategy):
+class PrivateStrategy(FlowerDPView, Strategy):
     """User-level DP around a mean-aggregating Flower strategy (see the module docstring).
 
     ``num_users``: the population (nodes, or users over all nodes with ``multi_user_nodes``);
@@ -83,7 +93,7 @@ class PrivateStrategy(Strategy):
 
     def __init__(self, strategy: Strategy, *, num_users: int, num_rounds: int,
                  epsilon: float | None = 1.0, delta: float = 1e-5, clip_norm: float = 1.0,
-                 noise_multiplier: float | None = None, sampling_rate: float = 1.0,
+                 noise_multiplier: float | None = None, sampling_rate: float | None = None,
                  clip_quantile: float | None = None, clip_lr: float = 0.2,
                  clip_count_share: float = 0.05, max_epsilon: float | None = None,
                  relation: str = "add-remove", private_metrics: Mapping[str, float] | None = None,
@@ -91,7 +101,7 @@ class PrivateStrategy(Strategy):
                  evaluate_every: int | Sequence[int] | None = None,
                  personal_layers: str | None = None, multi_user_nodes: bool = False,
                  user_sensitivity_factor: float = 1.0, secure_noise: bool = False,
-                 seed: int = 0, exact_metrics: str = "report",
+                 seed: int = 0, exact_metrics: str | None = None,
                  results_path: str = "results/flower-operator-report.json",
                  checkpoint_path: str | None = None, resume: bool = False) -> None:
         super().__init__()
@@ -102,9 +112,17 @@ class PrivateStrategy(Strategy):
         if multi_user_nodes and private_metrics:
             raise ValueError("private_metrics: not supported with multi_user_nodes (a node "
                              "would have to clip each of its users' values; nothing does yet)")
-        if exact_metrics not in ("report", "operator-only"):
-            raise ValueError("exact_metrics: 'report' (operator report only) or "
-                             f"'operator-only' (also in Flower's result), got {exact_metrics!r}")
+        exact_metrics = exact_metrics or ("report" if private_metrics else "flower")
+        if exact_metrics not in ("flower", "report", "operator-only"):
+            raise ValueError("exact_metrics: 'flower' (the inner strategy's aggregate in Flower's "
+                             "result, as Flower's DP wrappers do), 'report' (operator report "
+                             "only) or 'operator-only' (also in Flower's result, prefixed), got "
+                             f"{exact_metrics!r}")
+        if exact_metrics == "flower" and private_metrics:
+            raise ValueError("exact_metrics='flower' with private_metrics: Flower's result would "
+                             "hold the exact and the noisy value under one name; use "
+                             "'operator-only' (the exact ones prefixed) or 'report'")
+        sampling_rate = train_sampling_rate(strategy, sampling_rate, multi_user_nodes)
         if multi_user_nodes and sampling_rate < 1:
             log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
                 sampling_rate)
@@ -118,9 +136,11 @@ class PrivateStrategy(Strategy):
             evaluate_rounds=evaluate_rounds(num_rounds, evaluate_every),
             user_sensitivity_factor=user_sensitivity_factor, secure_noise=secure_noise)
         self.personal_pattern = personal_layers
+        self._evaluate_every_set = evaluate_every is not None
         self.multi_user_nodes = multi_user_nodes
         self.secure_noise, self.seed = secure_noise, seed
         self.exact_metrics = exact_metrics
+        self.population_note: str | None = None  # the first round's check ("" when fine)
         self.results_path = results_path
         self.checkpoint_path = (Path(checkpoint_path).expanduser().resolve()
                                 if checkpoint_path else None)
@@ -163,19 +183,30 @@ class PrivateStrategy(Strategy):
                 f"round {r}: the privacy plan covers {self.plan.num_rounds} rounds; a further "
                 "release would exceed the calibrated budget")
         self._set_model(arrays)
+        # the inner strategy waits for its min_available_nodes (Flower's convention)
         inner = list(self.strategy.configure_train(server_round, arrays, config, grid))
         record = inner[0].content if inner else self._record(arrays, config)
         cfg = record.config_records.get(self._key("configrecord_key", "config"))
         if cfg is not None:
             cfg[CLIP_CONFIG] = float(self.clip)
             cfg[RATE_CONFIG] = float(self.plan.sampling_rate)
+            cfg[PERSONAL_CONFIG] = self.personal_pattern or ""
         nodes = sorted(grid.get_node_ids())
+        if self.population_note is None and not self.multi_user_nodes:  # the first round
+            self.population_note = population_warning(len(nodes), self.plan.num_users,
+                                                      self.plan.sampling_rate) or ""
+            if self.population_note:
+                log(WARNING, "fedpriv: %s", self.population_note)
         if self.multi_user_nodes or self.plan.sampling_rate >= 1:
             chosen = nodes
         else:
             u = self._rng(_SAMPLE_STREAM, r).random(len(nodes))
             chosen = [n for n, x in zip(nodes, u, strict=True) if x < self.plan.sampling_rate]
         self._sampled[r] = len(chosen)
+        if len(chosen) < len(nodes) and not self.multi_user_nodes:
+            log(INFO, "fedpriv: round %d trains %d of %d nodes (Poisson sampling at rate %g, "
+                "drawn by PrivateStrategy)", r, len(chosen), len(nodes),
+                self.plan.sampling_rate)
         self._server_time += time.perf_counter() - t0
         return [Message(record, dst_node_id=n, message_type=MessageType.TRAIN) for n in chosen]
 
@@ -185,6 +216,11 @@ class PrivateStrategy(Strategy):
         r = self.offset + server_round
         assert self.layout is not None, "configure_train runs first"
         sums = self._round_sum(self.layout, replies)
+        why = schedule_mismatch(self.personal_pattern, sums.errors, dict(sums.rejected),
+                                sums.nodes)
+        if why:
+            log(ERROR, "fedpriv: %s", why)
+            raise ScheduleMismatch(why)
         clip_used = self.clip
         noisy = self._release_round(r, sums)
         new = self.layout.unflatten(self._current + noisy[0])
@@ -200,7 +236,11 @@ class PrivateStrategy(Strategy):
             "round": r, "epsilon_spent": spent, "clip_norm": clip_used,
             "sampled_nodes": self._sampled.pop(r, None), "answered_nodes": sums.nodes,
             "users": sums.users, "unclipped_users": sums.unclipped, "failed_nodes": sums.failed,
-            "rejected_nodes": dict(sums.rejected)}
+            "rejected_nodes": dict(sums.rejected), "failed_reasons": dict(Counter(sums.errors))}
+        if sums.nodes == 0:  # operator-side: Flower's log and the report, never the release
+            row["no_accepted_reply"] = True
+            log(WARNING, "fedpriv: round %d: %s; this round's release is noise alone", r,
+                no_reply_reason(row))
         if self.plan.clip_quantile is not None:
             row["next_clip_norm"] = self.clip
         self.rows.append(row)
@@ -216,38 +256,31 @@ class PrivateStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        r = self.offset + server_round
-        if r not in self.plan.evaluate_rounds:
+        if not self._evaluates(self.offset + server_round):
             return []
+        # the inner strategy's own sample (fraction_evaluate, min_evaluate_nodes)
         inner = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
-        record = inner[0].content if inner else self._record(arrays, config)
-        return [Message(record, dst_node_id=n, message_type=MessageType.EVALUATE)
-                for n in sorted(grid.get_node_ids())]
+        for message in inner:
+            cfg = message.content.config_records.get(self._key("configrecord_key", "config"))
+            if cfg is not None:
+                cfg[PERSONAL_CONFIG] = self.personal_pattern or ""
+        return inner
+
+    def _evaluates(self, r: int) -> bool:
+        """Whether nodes evaluate after round ``r``: the planned rounds for private metrics
+        (or with ``evaluate_every``), else whenever the inner strategy does (Flower's flow)."""
+        return (r in self.plan.evaluate_rounds or not (self.plan.private_metrics
+                                                        or self._evaluate_every_set))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
                            ) -> MetricRecord | None:
         r = self.offset + server_round
-        if r not in self.plan.evaluate_rounds:  # Flower aggregates the empty round too
+        if not self._evaluates(r):  # Flower aggregates the empty round too
             return None
-        exact: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        answered, rejected = 0, 0
-        for reply in replies:
-            if reply.has_error() or len(reply.content.metric_records) != 1:
-                rejected += not reply.has_error()
-                continue
-            metrics = next(iter(reply.content.metric_records.values()))
-            answered += 1
-            for name, value in metrics.items():
-                if name in (USERS_KEY, self._key("weighted_by_key", "num-examples")):
-                    continue
-                if isinstance(value, (int, float)) and _finite(value):
-                    bound = self.plan.private_metrics.get(name)
-                    # private metrics: each user's value clipped to [0, bound]
-                    v = (min(max(float(value), 0.0), bound) if bound is not None
-                         else float(value))
-                    exact[name] = exact.get(name, 0.0) + v
-                    counts[name] = counts.get(name, 0) + 1
+        replies = list(replies)
+        exact, counts, answered, rejected = read_metrics(
+            replies, self.plan.private_metrics, (USERS_KEY, self._key("weighted_by_key",
+                                                                      "num-examples")))
         means = {n: exact[n] / counts[n] for n in exact}
         row: dict[str, Any] = {"round": r, "evaluated_nodes": answered,
                                "rejected_evaluations": rejected, "exact_metrics": means}
@@ -263,6 +296,8 @@ class PrivateStrategy(Strategy):
         if self.exact_metrics == "operator-only":
             out.update({f"operator-only/{n}": v for n, v in means.items()})
         self._write()
+        if self.exact_metrics == "flower":  # Flower's own evaluation flow (operator-side)
+            return self.strategy.aggregate_evaluate(server_round, replies)
         return MetricRecord(out) if out else None  # type: ignore[arg-type]
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
@@ -292,6 +327,9 @@ class PrivateStrategy(Strategy):
         for text in (line, f"fedpriv: operator report (exact, not private; do not publish): "
                      f"{report}", f"fedpriv: release (what may leave the server): {release}"):
             log(INFO, text)  # Flower's log: what `flwr run --stream` and `flwr log` show
+        warning = no_reply_summary(self.rows)
+        if warning:
+            log(WARNING, "fedpriv: %s", warning)
         if self.checkpoint_path is not None:
             self.checkpoint_path.unlink(missing_ok=True)
         return result
@@ -303,16 +341,17 @@ class PrivateStrategy(Strategy):
         for reply in replies:
             if reply.has_error():
                 sums.failed += 1
+                sums.errors.append(str(reply.error.reason)[:300])
                 continue
             try:
-                returned, metrics = self._reply_arrays(reply)
+                returned, metrics = reply_arrays(reply)
                 if USERS_KEY in metrics:
                     if not self.multi_user_nodes:
                         raise RejectedReply("a multi-user reply, but multi_user_nodes=False")
                     total = reply_update(layout, np.zeros(layout.size), returned, self.personal,
                                          buffer)
                     sums.add_node_sum(total, self._users_of(metrics),
-                                      _count(metrics, UNCLIPPED_KEY), self.clip,
+                                      count_metric(metrics, UNCLIPPED_KEY), self.clip,
                                       sum_clipped=self.plan.user_sensitivity_factor == 2.0)
                 else:
                     if self.multi_user_nodes:
@@ -409,23 +448,10 @@ class PrivateStrategy(Strategy):
 
     def _users_of(self, metrics: MetricRecord) -> int:
         """A multi-user node's count of users (at most the declared population)."""
-        users = _count(metrics, USERS_KEY, 1)
+        users = count_metric(metrics, USERS_KEY, 1)
         if not 0 <= users <= self.plan.num_users:
             raise RejectedReply(f"claims {users} users (0 to num_users)")
         return users
-
-    def _reply_arrays(self, reply: Message) -> tuple[dict[str, np.ndarray], MetricRecord]:
-        content = reply.content
-        if len(content.array_records) != 1:
-            raise RejectedReply(f"holds {len(content.array_records)} ArrayRecords, not one")
-        record = next(iter(content.array_records.values()))
-        metrics = (next(iter(content.metric_records.values())) if content.metric_records
-                   else MetricRecord())
-        try:
-            arrays = {k: v.numpy() for k, v in record.items()}
-        except Exception as err:  # an array Flower cannot decode
-            raise RejectedReply(f"holds an undecodable array ({type(err).__name__})") from None
-        return arrays, metrics
 
     def _evaluation_row(self, row: dict[str, Any]) -> None:
         for existing in self.rows:
@@ -436,7 +462,8 @@ class PrivateStrategy(Strategy):
 
     def operator_report(self) -> dict[str, Any]:
         return {"strategy": type(self.strategy).__name__, "plan": self.plan.public(),
-                "seed": self.seed, "secure_noise": self.secure_noise,
+                "population_warning": self.population_note or None, "seed": self.seed,
+                "secure_noise": self.secure_noise,
                 "epsilon": self.accountant.epsilon(), "ledger": self.accountant.ledger,
                 "rounds": self.rows}
 
@@ -446,50 +473,12 @@ class PrivateStrategy(Strategy):
                                    self.accountant.epsilon(), self.rows)
         return write_outputs(self.results_path, self.operator_report(), release)
 
-    # ----- checkpoint ------------------------------------------------------------------------
+    # ----- checkpoint (fedpriv_flwr.resume) --------------------------------------------------
     def _save_checkpoint(self, r: int, arrays: ArrayRecord) -> None:
-        if self.checkpoint_path is None:
-            return
-        try:
-            inner: bytes | None = pickle.dumps(self.strategy)
-        except Exception:  # a strategy holding unpicklable callables restarts its own state
-            inner = None
-        checkpoint.save(self.checkpoint_path, {
-            "completed": r, "total_steps": self.plan.num_rounds,
-            "epsilon_spent": self.accountant.epsilon(), "plan": self.plan.public(),
-            "arrays": {k: v.numpy() for k, v in arrays.items()},
-            "accountant": copy.deepcopy(self.accountant), "clip": self.clip,
-            "releases": self.releases, "rows": self.rows, "inner": inner})
+        save_state(self, r, arrays)
 
     def _load_checkpoint(self) -> ArrayRecord:
-        assert self.checkpoint_path is not None
-        state = checkpoint.load(self.checkpoint_path)
-        if state["plan"] != self.plan.public():
-            raise checkpoint.CheckpointError(
-                f"checkpoint {self.checkpoint_path} belongs to another plan: "
-                f"{state['plan']} != {self.plan.public()}")
-        self.offset, self.clip, self.releases = state["completed"], state["clip"], \
-            state["releases"]
-        self.accountant, self.rows = state["accountant"], state["rows"]
-        if state["inner"] is not None:
-            self.strategy = pickle.loads(state["inner"])
-        return ArrayRecord({k: Array(np.asarray(v)) for k, v in state["arrays"].items()})
-
-
-def _count(metrics: MetricRecord, key: str, default: int = 0) -> int:
-    value = metrics.get(key, default)
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not _finite(value) or value != int(value)):
-        raise RejectedReply(f"{key} must be a whole number, got {value!r}")
-    return int(value)
-
-
-def _finite(value: int | float) -> bool:
-    """A number float64 holds, finite (an int beyond it is not, rather than an error)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
+        return load_state(self)
 
 
 __all__ = ["PrivateStrategy"]

@@ -272,3 +272,23 @@ def test_flower_dp_strategy_stops_at_the_pld_budget():
     with pytest.raises(PrivacyBudgetExhausted):
         _run_flower_dp(pld, z, 4)  # the 4th release would exceed epsilon = 1
     assert pld.num_releases == 3 and pld.get_epsilon(DELTA) <= 1.0
+
+
+@pytest.mark.parametrize("sampling, sample", [(SamplingMethod.NO_AMPLIFICATION, POP),
+                                              (SamplingMethod.POISSON, POP // 10)])
+def test_a_noise_multiplier_near_zero_is_accounted_in_closed_form_not_with_gigabytes(
+        sampling, sample):
+    """A debug run with the noise nearly off (z = 1e-3 asked dp-accounting for a PLD grid of
+    about 76 GiB): epsilon is the unsampled composition's exact mu-GDP value (an upper bound
+    when sampled), inf where it is beyond any use, and said to be GDP."""
+    tiny = PldAccountant(config(sampling))
+    tiny.compose(event(1e-3, sample), count=5)
+    spent = tiny.get_privacy_spent()
+    assert spent.epsilon == math.inf and spent.accounting_method == "gdp"
+    near = PldAccountant(config(sampling))
+    near.compose(event(0.04, sample), count=5)
+    mu = math.sqrt(5) / 0.04
+    eps = near.get_epsilon(DELTA)
+    assert math.isfinite(eps) and gdp_delta(mu, eps) == pytest.approx(DELTA, rel=1e-4)
+    assert near.get_delta(eps) == pytest.approx(DELTA, rel=1e-4)
+    assert near.would_exceed(event(0.04, sample), max_epsilon=eps * 1.01)

@@ -1,6 +1,7 @@
 """Real Flower runs: the fedpriv CLI drives `flwr run` on the simulation engine (Ray)."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +60,56 @@ def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_en
     assert "profile" not in release and "profile" not in json.dumps(release)
     # the local SuperLink the CLI started has been stopped
     assert not _port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
+
+
+def test_a_run_attaches_to_the_ray_head_it_started_beside_its_checks(tmp_path, flower_env,
+                                                                     monkeypatch):
+    """``fedpriv run`` starts a Ray head when it starts (launcher.early_ray_head) and Flower's
+    simulation attaches to it (a driver connected to that head), in a new user's environment
+    (no RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: Ray would otherwise leave the loopback address and
+    hang); the head is stopped with the run."""
+    from pathlib import Path
+
+    from fedpriv import cli, launcher
+    from fedpriv.ray_head import group_running
+    from fedpriv.stopping import Interrupted
+
+    heads = []
+
+    class Recorded(launcher.RayHead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            heads.append(self)
+            self.drivers = []
+
+        def stop(self, grace=0.0):
+            self.drivers = sorted({p.name for p in Path(self.folder).glob(
+                "session_*/logs/python-core-driver-*")})
+            super().stop(grace)
+
+    monkeypatch.setattr(launcher, "RayHead", Recorded)
+    for key, value in flower_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.json"
+
+    def hung(signum, frame):  # a driver that cannot reach the head retries for many minutes
+        raise Interrupted(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)
+    try:
+        code = cli.main(["run", "--out", str(out), "--set", "num-users=200", "--set",
+                         "rounds=1"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 0, "the run failed or hung (stopped after 240 s)"
+    assert json.loads(out.read_text())["runtime"] == "flower"
+    head, = heads
+    assert len(head.drivers) == 1, head.drivers  # Flower's simulation process, and no other
+    assert not group_running(head.proc.pid)
 
 
 def test_bad_config_fails_before_the_run_starts(tmp_path, flower_env):
