@@ -31,6 +31,9 @@ Two pieces, used together::
   evaluating, the node fine-tunes the global personal layers on its own data.
 
 In both schedules the personal keys are removed from any ArrayRecord of an ``evaluate`` reply.
+A message from ``PrivateStrategy`` carries the server's personal-layer pattern
+(``PERSONAL_CONFIG``): the mod answers one that is not its own (``fedrep``: the same pattern;
+``finetune``: none) with an error reply, before any training (``fedpriv_flwr.agreement``).
 The mod records the message kind, pattern and schedule in ``context.state`` (a ConfigRecord
 under ``STATE_KEY``), which ``personal_phases(model, context)`` reads to tell the handler
 which parameters to train in which order: ``train`` + fedrep: ``[personal, shared]``;
@@ -341,6 +344,19 @@ class Phase:
         self.trains: tuple[str, ...] = tuple(trains)
         self._model = model
         self._saved: dict[str, bool] | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def fit_head(self, data: object, steps: int = 100, lr: float = 1.0) -> float:
+        """Fit this phase's personal head as fedpriv's deep FedRep fits each user's head
+        (``fedpriv_flwr.heads.fit_head``: one ``torch.nn.Linear``, ``steps`` full-batch steps
+        of size ``lr / L`` from its smoothness bound) on ``data`` (a DataLoader of (inputs,
+        labels), or an (inputs, labels) pair); returns the fitted head's mean cross-entropy."""
+        from fedpriv_flwr.heads import fit_head
+
+        return fit_head(self._model, self.trains, data, steps, lr)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters this phase trains (e.g. for the optimizer)."""

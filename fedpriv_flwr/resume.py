@@ -6,18 +6,32 @@ from __future__ import annotations
 
 import copy
 import pickle
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
+from flwr.serverapp.strategy import Strategy
 
 from fedpriv import checkpoint
+from fedpriv.privacy.accounting import Accountant
+from fedpriv_flwr.plan import PrivatePlan
 
-if TYPE_CHECKING:
-    from fedpriv_flwr.strategy import PrivateStrategy
+
+class Resumable(Protocol):
+    """What the checkpoint holds of a ``PrivateStrategy``."""
+
+    checkpoint_path: Path | None
+    strategy: Strategy
+    plan: PrivatePlan
+    accountant: Accountant
+    clip: float
+    releases: int
+    offset: int
+    rows: list[dict[str, Any]]
 
 
-def save_state(strategy: PrivateStrategy, r: int, arrays: ArrayRecord) -> None:
+def save_state(strategy: Resumable, r: int, arrays: ArrayRecord) -> None:
     """Write the strategy's state after round ``r`` (nothing without a checkpoint path)."""
     if strategy.checkpoint_path is None:
         return
@@ -33,7 +47,7 @@ def save_state(strategy: PrivateStrategy, r: int, arrays: ArrayRecord) -> None:
         "releases": strategy.releases, "rows": strategy.rows, "inner": inner})
 
 
-def load_state(strategy: PrivateStrategy) -> ArrayRecord:
+def load_state(strategy: Resumable) -> ArrayRecord:
     """Restore the strategy's state from its checkpoint; the model to continue from."""
     assert strategy.checkpoint_path is not None
     state = checkpoint.load(strategy.checkpoint_path)

@@ -6,20 +6,24 @@ Wrap the strategy of an existing ``ServerApp``::
     result = strategy.start(grid=grid, initial_arrays=arrays)
 
 Each round the wrapper Poisson-samples the nodes (one node = one user unless
-``multi_user_nodes``), clips each user's update, releases the noisy mean of the clipped updates
-over the expected cohort (``fedpriv_flwr.aggregate``: the sensitivity argument), and hands the
-inner strategy that one noisy mean as its only reply, so FedAvg, FedAvgM, FedProx and the FedOpt
-family (FedAdam, FedYogi, FedAdagrad) apply their own server step to it (post-processing). The
-noise multiplier is calibrated before round 1 to the target (epsilon, delta) with fedpriv's PLD
-accounting (``fedpriv_flwr.plan``; ``secure_noise=True``: exact discrete Gaussian noise on a
-power-of-two grid from an OS-keyed ChaCha20 stream, RDP-accounted, ``fedpriv_flwr.grid``, the only
-publishable noise); each release is composed into fedpriv's accountant and the
-run stops before a release over the ceiling. Adaptive clipping (Andrew et al. 2021) releases the
-count of unclipped users through the same Gaussian, accounted. Evaluation metrics are exact and
-go to the operator report only, unless declared private (then each user's value is clipped to
-``[0, bound]`` and the noisy mean over the declared ``num_users`` is released and accounted: a
-node that does not answer counts as 0, since rescaling by how many answered would publish that
-count); ``exact_metrics="operator-only"`` adds them to Flower's result under an
+``multi_user_nodes``; the rate is ``sampling_rate`` or the inner strategy's ``fraction_train``:
+``fedpriv_flwr.agreement``, which also checks the population and the personal-layer schedule
+before the first release), clips each user's update, releases the noisy mean of the clipped
+updates over the expected cohort (``fedpriv_flwr.aggregate``: the sensitivity argument), and
+hands the inner strategy that one noisy mean as its only reply, so FedAvg, FedAvgM, FedProx and
+the FedOpt family (FedAdam, FedYogi, FedAdagrad) apply their own server step to it
+(post-processing). The noise multiplier is calibrated before round 1 to the target (epsilon,
+delta) with fedpriv's PLD accounting (``fedpriv_flwr.plan``; ``secure_noise=True``: exact
+discrete Gaussian noise on a power-of-two grid from an OS-keyed ChaCha20 stream, RDP-accounted,
+``fedpriv_flwr.grid``, the only publishable noise); each release is composed into fedpriv's
+accountant and the run stops before a release over the ceiling. Adaptive clipping (Andrew et
+al. 2021) releases the count of unclipped users through the same Gaussian, accounted.
+Evaluation follows the inner strategy (its ``fraction_evaluate``; its aggregate of the exact
+metrics in Flower's result, operator-side, as Flower's DP wrappers do; never in the release),
+unless metrics are declared private (then each user's value is clipped to ``[0, bound]`` and
+the noisy mean over the declared ``num_users`` is released and accounted: a node that does not
+answer counts as 0, since rescaling by how many answered would publish that count);
+``exact_metrics="operator-only"`` adds the exact ones to Flower's result under an
 ``operator-only/`` prefix.
 """
 
@@ -82,9 +86,13 @@ class PrivateStrategy(FlowerDPView, Strategy):
     ``epsilon``/``delta``: the target the noise is calibrated to (or give ``noise_multiplier``);
     ``sampling_rate``: each node (user) takes part in a round independently with this
     probability, drawn by the server (accounted as Poisson sampling; Flower's own samplers draw
-    without replacement); ``clip_quantile``: adaptive clipping; ``private_metrics``: metric name
-    -> bound of each user's value; ``personal_layers``: a regular expression of the layers the
-    nodes keep (``fedpriv_flwr.personal``): never expected from nodes, never updated;
+    without replacement; default: the inner strategy's ``fraction_train``);
+    ``exact_metrics``: where the nodes' exact evaluation metrics go besides the operator report
+    ("flower": the inner strategy's aggregate in Flower's result, the default without private
+    metrics; "operator-only": prefixed; "report": nowhere else); ``clip_quantile``: adaptive
+    clipping; ``private_metrics``: metric name -> bound of each user's value;
+    ``personal_layers``: a regular expression of the layers the nodes keep
+    (``fedpriv_flwr.personal``): never expected from nodes, never updated;
     ``secure_noise``: exact discrete Gaussian noise on a grid from a cryptographic stream keyed
     by the OS (``fedpriv_flwr.grid``; a publishable release; needs ``sampling_rate=1``), else
     float64 Gaussian noise and the sample from ``seed`` (not publishable); ``checkpoint_path``

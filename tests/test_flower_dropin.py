@@ -234,3 +234,108 @@ def test_rounds_with_no_accepted_reply_are_said_plainly_and_kept_out_of_the_rele
     caplog.clear()
     _strategy(tmp_path).start(grid=FakeGrid(8, _move), initial_arrays=_init())
     assert "no accepted reply" not in caplog.text and "no reply was accepted" not in caplog.text
+
+
+# ----- the migration page -----------------------------------------------------------------------
+def _migration_blocks() -> tuple[str, str]:
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tutorials" / "flower-app.md")
+    section = page.read_text().split("## From Flower's DP wrapper to PrivateStrategy", 1)[1]
+    before, after = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    return before, after
+
+
+def test_the_migration_page_runs_before_and_after_in_few_changed_lines(tmp_path, capsys):
+    """The two blocks of docs/tutorials/flower-app.md ("From Flower's DP wrapper"), run as
+    written on an in-memory grid of 20 nodes: both keep Flower's evaluation (half the nodes,
+    metrics in Flower's result); the port changes at most 15 lines and prints the PLD epsilon,
+    calibrated to the target, where Flower's RDP accountant reports more for the same noise."""
+    import difflib
+
+    before, after = _migration_blocks()
+    changed = [line for line in difflib.unified_diff(before.splitlines(), after.splitlines(),
+                                                     lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    added, removed = (sum(line.startswith(c) for line in changed) for c in "+-")
+    assert max(added, removed) <= 15, changed  # lines changed (a replaced line counts once)
+    cfg = {"num-users": 20, "num-rounds": 3, "epsilon": 1.0, "delta": 1e-5, "clip-norm": 1.0,
+           "results-path": str(tmp_path / "r.json")}
+    runs = {}
+    for name, code in (("after", after), ("before", before)):
+        grid = FakeGrid(20, _move, metric_fn=lambda node: {"accuracy": 0.5})
+        scope = {"cfg": cfg, "grid": grid, "arrays": _init()}
+        exec(compile(code, f"flower-app.md ({name})", "exec"), scope)
+        runs[name] = (scope["strategy"], scope["result"], grid, capsys.readouterr().out)
+        if name == "after":  # the same noise for Flower's wrapper
+            cfg["noise-multiplier"] = scope["strategy"].noise_multiplier
+    for _, result, grid, _ in runs.values():
+        assert len([m for m in grid.sent if m.metadata.message_type == "evaluate"]) == 3 * 10
+        assert result.evaluate_metrics_clientapp[3]["accuracy"] == pytest.approx(0.5)
+    pld = float(runs["after"][3].split("epsilon spent = ")[1])
+    rdp = float(runs["before"][3].split("epsilon spent = ")[1])
+    assert 0.99 <= pld <= 1.0 and rdp > pld * 1.02
+    assert pld == pytest.approx(runs["after"][0].privacy_spent().epsilon, abs=1e-4)
+
+
+# ----- the personal head, fitted by the library -------------------------------------------------
+def _net():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _personal_phase(model, schedule="fedrep", pattern=r"^2\."):
+    from flwr.app import ConfigRecord
+
+    from fedpriv_flwr.personal import STATE_KEY, personal_phases
+
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    context.state[STATE_KEY] = ConfigRecord({"pattern": pattern, "schedule": schedule,
+                                             "kind": "train", "message-type": "train",
+                                             "source": "server"})
+    return personal_phases(model, context)
+
+
+def test_fit_head_is_fedprivs_deep_fedrep_rule_on_the_nodes_rows_and_leaves_the_body():
+    """The head after ``phase.fit_head`` equals fedpriv's own ``fit_heads`` on the same
+    features (the inputs of the head layer) from the same start; the body is untouched; the
+    loss falls; the data may come as a DataLoader in batches or as one pair."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fedpriv.algorithms.deep.head_fit import fit_heads
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+    model = _net()
+    body = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("2.")}
+    with torch.no_grad():
+        feats = model[1](model[0](x))
+        start = torch.cat([model[2].weight.reshape(-1), model[2].bias])[None]
+        before = float(torch.nn.functional.cross_entropy(model(x), y))
+    expected = fit_heads(feats[None], y[None], torch.ones(1, 40), 3, 50, 1.0, init=start)[0]
+    personal, shared = _personal_phase(model)
+    assert personal.name == "personal" and shared.name == "shared"
+    with personal:
+        loss = personal.fit_head(DataLoader(TensorDataset(x, y), batch_size=16), steps=50)
+    got = torch.cat([model[2].weight.reshape(-1), model[2].bias])
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert loss < before and all(torch.equal(model.state_dict()[k], v) for k, v in body.items())
+    again = _net()
+    with _personal_phase(again)[0] as phase:
+        phase.fit_head((x, y), steps=50)
+    assert torch.allclose(torch.cat([again[2].weight.reshape(-1), again[2].bias]), expected,
+                          atol=1e-5)
+
+
+def test_fit_head_refuses_personal_layers_that_are_not_one_linear_head():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 5),
+                                torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    with _personal_phase(model, pattern=r"^4\.")[1] as shared:  # two layers: not one head
+        with pytest.raises(ValueError, match="one torch.nn.Linear"):
+            shared.fit_head((torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)))

@@ -1,0 +1,63 @@
+"""The users' linear heads fitted by full-batch gradient descent on their features, batched
+over users: the rule of fedpriv's deep algorithms (re-exported by ``deep_math``), in plain torch
+so that ``fedpriv_flwr`` fits a Flower node's head the same way (``fedpriv_flwr.heads``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fit_heads", "head_step_sizes"]
+
+
+def head_step_sizes(feats: torch.Tensor, mask: torch.Tensor, lr: float) -> torch.Tensor:
+    """Each user's head step size: ``lr`` times ``1/L``, where ``L = mean ||f||^2 / 2 + 1/2``
+    bounds the smoothness of its mean cross-entropy in the head (weights and bias) over its
+    valid rows; so ``lr <= 1`` never diverges, whatever the scale of the features. (n,)"""
+    sq = (feats.pow(2).sum(-1) * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+    return lr / (0.5 * sq + 0.5)
+
+
+def fit_heads(feats: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int,
+              steps: int, lr: float, init: torch.Tensor | None = None,
+              bias: bool = True) -> torch.Tensor:
+    """Each user's linear head by ``steps`` of gradient descent (step ``head_step_sizes``) on
+    its mean cross-entropy over its valid rows: feats (n, r, h), y (n, r), mask (n, r); from
+    ``init`` (n, H) or zeros. Returns the flat heads (n, C*h [+ C]) in the model's layout
+    (weight, then bias).
+
+    Every step adds ``-rate * g^T f`` to the weights: a combination of the user's own rows.
+    So where a user has fewer rows than features (r < h: a batch of 5-30 rows against 128
+    features, or 784 raw pixels) the descent runs on the coefficients ``A`` (C x r) of
+    ``W = W0 + A f`` with the r x r Gram ``f f^T``: the same iterates, r/h of the work."""
+    n, r, h = feats.shape
+    rate = head_step_sizes(feats, mask, lr)
+    c = num_classes
+    if init is None:
+        w0 = feats.new_zeros(n, c, h)
+        b = feats.new_zeros(n, c)
+    else:
+        w0 = init[:, :c * h].reshape(n, c, h).clone()
+        b = init[:, c * h:].clone() if bias else feats.new_zeros(n, c)
+    onehot = F.one_hot(y, c).to(feats.dtype)
+    weight = mask / mask.sum(1, keepdim=True).clamp_min(1.0)
+    if r < h:
+        gram = feats @ feats.transpose(1, 2)  # (n, r, r)
+        start = feats @ w0.transpose(1, 2) if init is not None else 0.0  # (n, r, c)
+        coef = feats.new_zeros(n, r, c)  # A^T
+        for _ in range(steps):
+            logits = start + gram @ coef + b[:, None, :]
+            g = (torch.softmax(logits, -1) - onehot) * weight[..., None]
+            coef = coef - rate[:, None, None] * g
+            if bias:
+                b = b - rate[:, None] * g.sum(1)
+        w = w0 + coef.transpose(1, 2) @ feats
+    else:
+        w = w0
+        for _ in range(steps):
+            logits = torch.einsum("nrh,nch->nrc", feats, w) + b[:, None, :]
+            g = (torch.softmax(logits, -1) - onehot) * weight[..., None]
+            w = w - rate[:, None, None] * torch.einsum("nrc,nrh->nch", g, feats)
+            if bias:
+                b = b - rate[:, None] * g.sum(1)
+    return torch.cat([w.reshape(n, -1), b], 1) if bias else w.reshape(n, -1)
