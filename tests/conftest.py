@@ -135,3 +135,30 @@ def flower_sessions(flower_env, monkeypatch):
 
     monkeypatch.setattr(launcher.FlowerSession, "__enter__", enter)
     return sessions
+
+
+@pytest.fixture
+def deadline():
+    """``with deadline(seconds):`` raises ``fedpriv.stopping.Interrupted`` (as SIGTERM would)
+    in the test's process when the block outlives ``seconds``: a run that would hang (a Ray
+    driver that cannot reach its head retries for many minutes) fails the test instead, and a
+    guarded command stops its processes on the way out."""
+    import contextlib
+    import signal
+
+    from fedpriv.stopping import Interrupted
+
+    @contextlib.contextmanager
+    def guard(seconds: int):
+        def hung(signum, frame):
+            raise Interrupted(signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return guard

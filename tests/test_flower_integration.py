@@ -1,7 +1,6 @@
 """Real Flower runs: the fedpriv CLI drives `flwr run` on the simulation engine (Ray)."""
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -63,7 +62,7 @@ def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_en
 
 
 def test_a_run_attaches_to_the_ray_head_it_started_beside_its_checks(tmp_path, flower_env,
-                                                                     monkeypatch):
+                                                                     monkeypatch, deadline):
     """``fedpriv run`` starts a Ray head when it starts (launcher.early_ray_head) and Flower's
     simulation attaches to it (a driver connected to that head), in a new user's environment
     (no RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: Ray would otherwise leave the loopback address and
@@ -72,7 +71,6 @@ def test_a_run_attaches_to_the_ray_head_it_started_beside_its_checks(tmp_path, f
 
     from fedpriv import cli, launcher
     from fedpriv.ray_head import group_running
-    from fedpriv.stopping import Interrupted
 
     heads = []
 
@@ -94,17 +92,9 @@ def test_a_run_attaches_to_the_ray_head_it_started_beside_its_checks(tmp_path, f
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.json"
 
-    def hung(signum, frame):  # a driver that cannot reach the head retries for many minutes
-        raise Interrupted(signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(240)
-    try:
+    with deadline(240):  # a driver that cannot reach the head retries for many minutes
         code = cli.main(["run", "--out", str(out), "--set", "num-users=200", "--set",
                          "rounds=1"])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     assert code == 0, "the run failed or hung (stopped after 240 s)"
     assert json.loads(out.read_text())["runtime"] == "flower"
     head, = heads

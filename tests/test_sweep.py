@@ -228,14 +228,18 @@ def test_a_ray_head_that_exits_at_start_up_is_retried_once_then_its_log_is_quote
 
 @pytest.mark.integration
 def test_a_flower_sweep_shares_one_superlink_and_one_ray_head_and_stops_them(
-        tmp_path, flower_env, flower_sessions, monkeypatch):
+        tmp_path, flower_env, flower_sessions, monkeypatch, deadline):
     from fedpriv import launcher, sweep
 
     # no SuperLink named: the session starts its own (free ports, a private FLWR_HOME)
     monkeypatch.delenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT")
+    # a new user's environment: without Ray's loopback setting, the runs' drivers left
+    # 127.0.0.1 for the machine's IP and hung (fixed in launcher.run_flower)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
     heads = flower_sessions
     spec = load_sweep(write(tmp_path, FLOWER_SWEEP))
-    rows = run_sweep(spec, tmp_path / "out", engine="flower", log=lambda _: None)
+    with deadline(300):
+        rows = run_sweep(spec, tmp_path / "out", engine="flower", log=lambda _: None)
     assert [r["series"] for r in rows] == ["private-fedrep", "local-only"]
     (session,) = heads
     port = session.link.port
