@@ -1,6 +1,7 @@
 """What ``PrivateStrategy`` settles before its first release: the inner strategy's sampling
 settings, the nodes connected, and the nodes' personalization schedule. Nothing here is data:
-these are settings and protocol, so a run that disagrees stops before anything is released.
+these are settings and protocol. What is wrong in the settings stops the run before round 1;
+what the nodes' replies show is reported, never a reason to stop (a reply is a user's).
 
 * **Sampling** (``train_sampling_rate``): the inner strategy's ``fraction_train`` is the Poisson
   rate the plan is calibrated for (each node takes part in a round independently with that
@@ -16,24 +17,32 @@ these are settings and protocol, so a run that disagrees stops before anything i
   server's personal-layer pattern (``""`` for none); the client mod
   (``fedpriv_flwr.personal.personalize``) refuses a message whose pattern is not its own
   (``fedrep``: the same pattern; ``finetune``: none) with an error reply whose reason starts with
-  ``SCHEDULE_MISMATCH``, and the server refuses replies that carry the personal layers or miss
-  the shared ones. A round in which every node that answered disagrees on the schedule stops the
-  run before its release (``ScheduleMismatch``): it would release noise alone.
+  ``SCHEDULE_MISMATCH``, before any training, and the server refuses replies that carry the
+  personal layers or miss the shared ones. A round in which every node that answered disagrees
+  is reported (``schedule_mismatch``: Flower's log at ERROR, the operator report, the run's
+  closing line) but not stopped: the replies are the users', and a stop that one user's reply
+  could cause (the only node of a small Poisson cohort) would tell that user's presence.
+* **Evaluation** (``check_evaluation``, ``inner_evaluation``): the inner strategy's own sample
+  and aggregate, except that private metrics need every node (their noisy mean divides by
+  ``num_users``) and an aggregate the inner strategy refuses (replies with other metric names)
+  costs that round's entry in Flower's result, never the run.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from logging import INFO
+from logging import INFO, WARNING
 
+from flwr.app import Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedpriv_flwr.personal import PERSONAL_CONFIG
 
-__all__ = ["PERSONAL_CONFIG", "SCHEDULE_MISMATCH", "ScheduleMismatch", "no_reply_reason",
-           "no_reply_summary", "population_warning", "schedule_mismatch", "train_sampling_rate"]
+__all__ = ["PERSONAL_CONFIG", "SCHEDULE_MISMATCH", "check_evaluation", "inner_evaluation",
+           "no_reply_reason", "no_reply_summary", "population_warning", "schedule_mismatch",
+           "train_sampling_rate"]
 
 SCHEDULE_MISMATCH = "personalize: schedule mismatch"
 """How the client mod's error reply for a pattern that is not its own begins."""
@@ -41,16 +50,12 @@ PROTOCOL_REJECTIONS = ("carries personal layers", "misses released keys")
 """Reasons (``RoundSum.rejected``) of replies whose keys disagree with the server's pattern."""
 
 
-class ScheduleMismatch(ValueError):
-    """The nodes and the server disagree on the personal layers (the message says how)."""
-
-
 def _fedavg_default(name: str) -> object:
     return inspect.signature(FedAvg.__init__).parameters[name].default
 
 
 def train_sampling_rate(strategy: Strategy, sampling_rate: float | None,
-                        multi_user_nodes: bool) -> float:
+                        multi_user_nodes: bool, secure_noise: bool = False) -> float:
     """The Poisson rate of the plan: ``sampling_rate``, or the inner strategy's
     ``fraction_train`` (module docstring); ``ValueError`` naming the setting otherwise."""
     name = type(strategy).__name__
@@ -71,6 +76,11 @@ def train_sampling_rate(strategy: Strategy, sampling_rate: float | None,
             f"sampling_rate={sampling_rate:g} and {name}(fraction_train={fraction:g}) disagree: "
             "give one of them (PrivateStrategy samples the nodes itself, by Poisson sampling "
             "at that rate, which the privacy plan is calibrated for)")
+    if fraction < 1 and secure_noise:
+        raise ValueError(
+            f"{name}(fraction_train={fraction:g}) with secure_noise: the discrete noise is "
+            "accounted without amplification by sampling, so every node trains every round; "
+            "leave fraction_train at 1")
     rate = fraction if sampling_rate is None else float(sampling_rate)
     min_train = getattr(strategy, "min_train_nodes", None)
     default = _fedavg_default("min_train_nodes")
@@ -108,8 +118,8 @@ def population_warning(connected: int, num_users: int, rate: float) -> str | Non
 
 def schedule_mismatch(pattern: str | None, failed_reasons: list[str],
                       rejected: dict[str, int], accepted: int) -> str | None:
-    """Why a round whose answering nodes all disagree with the server's personal-layer
-    ``pattern`` must stop before its release; None if any node agrees (or none answered)."""
+    """Why every node that answered a round disagrees with the server's personal-layer
+    ``pattern``; None if any reply was accepted or failed otherwise (or none answered)."""
     mod = [r for r in failed_reasons if r.startswith(SCHEDULE_MISMATCH)]
     keys = {r: n for r, n in rejected.items() if r.startswith(PROTOCOL_REJECTIONS)}
     others = len(failed_reasons) - len(mod) + sum(rejected.values()) - sum(keys.values())
@@ -124,10 +134,9 @@ def schedule_mismatch(pattern: str | None, failed_reasons: list[str],
     else:
         why = ("the nodes' replies miss layers the server sent: their ClientApp keeps layers "
                "personal (personalize(..., schedule='fedrep')) that the server does not know")
-    return (f"the nodes and the server disagree on the personal layers ({why}); the server has "
-            f"{server}. Give PrivateStrategy(personal_layers=...) the pattern of the client "
-            "mod personalize(pattern, schedule='fedrep'), or none with schedule='finetune'. "
-            "Stopped before this round's release: nothing was released or spent for it")
+    return (f"every reply disagrees with the server on the personal layers ({why}); the server "
+            f"has {server}. Give PrivateStrategy(personal_layers=...) the pattern of the client "
+            "mod personalize(pattern, schedule='fedrep'), or none with schedule='finetune'")
 
 
 def no_reply_reason(row: dict[str, object]) -> str:
@@ -142,12 +151,43 @@ def no_reply_reason(row: dict[str, object]) -> str:
             "rejected; reasons in the operator report)")
 
 
-def no_reply_summary(rows: list[dict[str, object]]) -> str | None:
-    """The run's closing warning when rounds had no accepted reply (None if every round had)."""
+def no_reply_summary(rows: list[dict[str, object]], mismatch: str | None = None) -> str | None:
+    """The run's closing warning when rounds had no accepted reply (None if every round had),
+    with the last schedule ``mismatch`` seen."""
     empty = [row["round"] for row in rows if row.get("no_accepted_reply")]
     if not empty:
         return None
     trained = sum(1 for row in rows if "answered_nodes" in row)
     learned = " and the model learned nothing from the nodes" if len(empty) == trained else ""
+    why = f"; {mismatch}" if mismatch else "; the reasons are in the operator report"
     return (f"{len(empty)} of {trained} rounds had no accepted reply (rounds {empty[:10]}): "
-            f"their releases are noise alone{learned}; the reasons are in the operator report")
+            f"their releases are noise alone{learned}{why}")
+
+
+def check_evaluation(strategy: Strategy, private_metrics: bool) -> None:
+    """Private metrics need every node's value (the noisy mean divides by ``num_users``):
+    refuse an inner strategy that evaluates a fraction of the nodes."""
+    fraction = getattr(strategy, "fraction_evaluate", 1.0)
+    if private_metrics and isinstance(fraction, (int, float)) and fraction < 1:
+        raise ValueError(
+            f"{type(strategy).__name__}(fraction_evaluate={fraction:g}) with private_metrics: "
+            "their noisy mean divides by num_users, so every node evaluates; a fraction would "
+            "scale it down (and 0 would spend budget on noise alone). Leave fraction_evaluate "
+            "at 1, or leave out private_metrics")
+
+
+def inner_evaluation(strategy: Strategy, server_round: int,
+                     replies: list[Message]) -> MetricRecord | None:
+    """The inner strategy's aggregate of the evaluation replies (Flower's flow), from the
+    replies that hold one MetricRecord; None, with a warning, where it refuses them (nodes
+    that report other metric names): one node's reply costs that round's entry in Flower's
+    result, never the run."""
+    readable = [r for r in replies
+                if not r.has_error() and len(r.content.metric_records) == 1]
+    try:
+        return strategy.aggregate_evaluate(server_round, readable)
+    except Exception as err:  # noqa: BLE001 -- Flower's checks raise several kinds
+        log(WARNING, "fedpriv: round %d: %s could not aggregate the evaluation replies (%s); "
+            "Flower's result has no metrics for this round, the operator report has the exact "
+            "means", server_round, type(strategy).__name__, type(err).__name__)
+        return None

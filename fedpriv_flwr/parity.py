@@ -35,7 +35,10 @@ class FlowerDPView:
 
     @property
     def noise_multiplier(self) -> float:
-        """The noise multiplier of each round's release (calibrated to the target)."""
+        """The noise multiplier of each round's release (calibrated to the target): the noise
+        std over the round's L2 sensitivity as a whole. With adaptive clipping the round's
+        budget is split between the update and the clip count (each part's own multiplier is
+        in the ledger); with ``user_sensitivity_factor=2`` the sensitivity is ``2 C``."""
         return float(self.plan.multipliers[ROUND])
 
     @property

@@ -5,26 +5,25 @@ Wrap the strategy of an existing ``ServerApp``::
     strategy = PrivateStrategy(FedAvg(), num_users=2000, num_rounds=5, epsilon=1.0, delta=1e-5)
     result = strategy.start(grid=grid, initial_arrays=arrays)
 
-Each round the wrapper Poisson-samples the nodes (one node = one user unless
-``multi_user_nodes``; the rate is ``sampling_rate`` or the inner strategy's ``fraction_train``:
-``fedpriv_flwr.agreement``, which also checks the population and the personal-layer schedule
-before the first release), clips each user's update, releases the noisy mean of the clipped
-updates over the expected cohort (``fedpriv_flwr.aggregate``: the sensitivity argument), and
-hands the inner strategy that one noisy mean as its only reply, so FedAvg, FedAvgM, FedProx and
-the FedOpt family (FedAdam, FedYogi, FedAdagrad) apply their own server step to it
-(post-processing). The noise multiplier is calibrated before round 1 to the target (epsilon,
-delta) with fedpriv's PLD accounting (``fedpriv_flwr.plan``; ``secure_noise=True``: exact
-discrete Gaussian noise on a power-of-two grid from an OS-keyed ChaCha20 stream, RDP-accounted,
+Each round the wrapper Poisson-samples the nodes (one node = one user unless ``multi_user_nodes``;
+the rate is ``sampling_rate`` or the inner strategy's ``fraction_train``:
+``fedpriv_flwr.agreement``, which refuses settings it cannot keep before round 1 and reports the
+population and the nodes' personal-layer schedule), clips each user's update, releases the noisy
+mean of the clipped updates over the expected cohort (``fedpriv_flwr.aggregate``: the sensitivity
+argument), and hands the inner strategy that one noisy mean as its only reply, so FedAvg, FedAvgM,
+FedProx and the FedOpt family (FedAdam, FedYogi, FedAdagrad) apply their own server step to it
+(post-processing). The noise multiplier is calibrated before round 1 to the target (epsilon, delta)
+with fedpriv's PLD accounting (``fedpriv_flwr.plan``; ``secure_noise=True``: exact discrete
+Gaussian noise on a power-of-two grid from an OS-keyed ChaCha20 stream, RDP-accounted,
 ``fedpriv_flwr.grid``, the only publishable noise); each release is composed into fedpriv's
-accountant and the run stops before a release over the ceiling. Adaptive clipping (Andrew et
-al. 2021) releases the count of unclipped users through the same Gaussian, accounted.
-Evaluation follows the inner strategy (its ``fraction_evaluate``; its aggregate of the exact
-metrics in Flower's result, operator-side, as Flower's DP wrappers do; never in the release),
-unless metrics are declared private (then each user's value is clipped to ``[0, bound]`` and
-the noisy mean over the declared ``num_users`` is released and accounted: a node that does not
-answer counts as 0, since rescaling by how many answered would publish that count);
-``exact_metrics="operator-only"`` adds the exact ones to Flower's result under an
-``operator-only/`` prefix.
+accountant and the run stops before a release over the ceiling. Adaptive clipping (Andrew et al.
+2021) releases the count of unclipped users through the same Gaussian, accounted. Evaluation
+follows the inner strategy (its ``fraction_evaluate``; its aggregate of the exact metrics in
+Flower's result, operator-side, as Flower's DP wrappers do; never in the release), unless metrics
+are declared private (then each user's value is clipped to ``[0, bound]`` and the noisy mean over
+the declared ``num_users`` is released and accounted: a node that does not answer counts as 0,
+since rescaling by how many answered would publish that count); ``exact_metrics="operator-only"``
+adds the exact ones to Flower's result under an ``operator-only/`` prefix.
 """
 
 from __future__ import annotations
@@ -58,7 +57,8 @@ from fedpriv_flwr.aggregate import (
 )
 from fedpriv_flwr.agreement import (
     PERSONAL_CONFIG,
-    ScheduleMismatch,
+    check_evaluation,
+    inner_evaluation,
     no_reply_reason,
     no_reply_summary,
     population_warning,
@@ -130,7 +130,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
             raise ValueError("exact_metrics='flower' with private_metrics: Flower's result would "
                              "hold the exact and the noisy value under one name; use "
                              "'operator-only' (the exact ones prefixed) or 'report'")
-        sampling_rate = train_sampling_rate(strategy, sampling_rate, multi_user_nodes)
+        sampling_rate = train_sampling_rate(strategy, sampling_rate, multi_user_nodes,
+                                            secure_noise)
+        check_evaluation(strategy, bool(private_metrics))
         if multi_user_nodes and sampling_rate < 1:
             log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
                 sampling_rate)
@@ -149,6 +151,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
         self.secure_noise, self.seed = secure_noise, seed
         self.exact_metrics = exact_metrics
         self.population_note: str | None = None  # the first round's check ("" when fine)
+        self.mismatch: str | None = None  # why the nodes' replies disagreed on the schedule
         self.results_path = results_path
         self.checkpoint_path = (Path(checkpoint_path).expanduser().resolve()
                                 if checkpoint_path else None)
@@ -224,11 +227,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
         r = self.offset + server_round
         assert self.layout is not None, "configure_train runs first"
         sums = self._round_sum(self.layout, replies)
-        why = schedule_mismatch(self.personal_pattern, sums.errors, dict(sums.rejected),
-                                sums.nodes)
-        if why:
-            log(ERROR, "fedpriv: %s", why)
-            raise ScheduleMismatch(why)
+        # reported, never a reason to stop: the replies are the users' (module agreement)
+        mismatch = schedule_mismatch(self.personal_pattern, sums.errors, dict(sums.rejected),
+                                     sums.nodes)
         clip_used = self.clip
         noisy = self._release_round(r, sums)
         new = self.layout.unflatten(self._current + noisy[0])
@@ -247,6 +248,10 @@ class PrivateStrategy(FlowerDPView, Strategy):
             "rejected_nodes": dict(sums.rejected), "failed_reasons": dict(Counter(sums.errors))}
         if sums.nodes == 0:  # operator-side: Flower's log and the report, never the release
             row["no_accepted_reply"] = True
+            if mismatch:
+                row["schedule_mismatch"] = mismatch
+                self.mismatch = mismatch
+                log(ERROR, "fedpriv: round %d: %s", r, mismatch)
             log(WARNING, "fedpriv: round %d: %s; this round's release is noise alone", r,
                 no_reply_reason(row))
         if self.plan.clip_quantile is not None:
@@ -305,7 +310,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
             out.update({f"operator-only/{n}": v for n, v in means.items()})
         self._write()
         if self.exact_metrics == "flower":  # Flower's own evaluation flow (operator-side)
-            return self.strategy.aggregate_evaluate(server_round, replies)
+            return inner_evaluation(self.strategy, server_round, replies)
         return MetricRecord(out) if out else None  # type: ignore[arg-type]
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
@@ -335,9 +340,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
         for text in (line, f"fedpriv: operator report (exact, not private; do not publish): "
                      f"{report}", f"fedpriv: release (what may leave the server): {release}"):
             log(INFO, text)  # Flower's log: what `flwr run --stream` and `flwr log` show
-        warning = no_reply_summary(self.rows)
+        warning = no_reply_summary(self.rows, self.mismatch)
         if warning:
-            log(WARNING, "fedpriv: %s", warning)
+            log(ERROR if self.mismatch else WARNING, "fedpriv: %s", warning)
         if self.checkpoint_path is not None:
             self.checkpoint_path.unlink(missing_ok=True)
         return result

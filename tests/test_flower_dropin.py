@@ -15,7 +15,6 @@ from flwr.serverapp import PrivacySpent
 from flwr.serverapp.strategy import FedAvg
 
 from fedpriv.privacy.accounting import epsilon_of
-from fedpriv_flwr.agreement import ScheduleMismatch
 from fedpriv_flwr.personal import PERSONAL_CONFIG, personalize
 from fedpriv_flwr.strategy import PrivateStrategy
 from tests.flower_grid import FakeGrid
@@ -74,6 +73,9 @@ def test_fraction_train_is_the_poisson_rate_the_plan_is_calibrated_for(tmp_path,
     (FedAvg(fraction_train=0.0), {}, "fraction_train=0.0"),
     (FedAvg(fraction_train=0.5, min_train_nodes=10), {}, "min_train_nodes=10"),
     (FedAvg(fraction_train=0.5), {"multi_user_nodes": True}, "multi_user_nodes"),
+    (FedAvg(fraction_train=0.5), {"secure_noise": True}, "fraction_train=0.5.*secure_noise"),
+    (FedAvg(fraction_evaluate=0.5), {"private_metrics": {"accuracy": 1.0}},
+     "fraction_evaluate=0.5"),
 ])
 def test_sampling_settings_that_cannot_be_kept_are_refused_naming_them(tmp_path, inner, kw,
                                                                       words):
@@ -99,6 +101,19 @@ def test_fraction_evaluate_is_respected_and_flowers_result_has_the_metrics(tmp_p
     assert set(metrics) == {1, 2} and 0.1 <= metrics[2]["accuracy"] <= 0.8  # FedAvg's mean
     release = json.loads((tmp_path / "r.release.json").read_text())
     assert "accuracy" not in json.dumps(release)  # exact metrics never reach the release
+
+
+def test_replies_the_inner_strategy_cannot_aggregate_cost_a_round_entry_not_the_run(
+        tmp_path, caplog):
+    """One node reporting another metric name makes FedAvg's aggregate refuse the round's
+    replies (InconsistentMessageReplies): that round has no entry in Flower's result."""
+    caplog.set_level(logging.WARNING)
+    grid = FakeGrid(8, _move, metric_fn=lambda node: {"loss" if node == 3 else "accuracy": 0.5})
+    s = _strategy(tmp_path)
+    result = s.start(grid=grid, initial_arrays=_init())
+    assert len(s.accountant.ledger) == 2 and not result.evaluate_metrics_clientapp
+    assert "FedAvg could not aggregate the evaluation replies" in caplog.text
+    assert s.rows[-1]["exact_metrics"] == {"accuracy": 0.5, "loss": 0.5}  # the report's
 
 
 def test_no_evaluation_when_the_inner_strategy_evaluates_no_node(tmp_path):
@@ -173,14 +188,25 @@ class ModGrid(FakeGrid):
     ("^head", "finetune", "needs no personal_layers"),  # FedRep on the server only
     ("^head", None, "carry the personal layers"),  # no mod on the client
 ])
-def test_a_schedule_the_nodes_do_not_share_stops_before_the_first_release(
+def test_a_schedule_the_nodes_do_not_share_is_reported_in_each_round_and_at_the_end(
         tmp_path, server, schedule, words, caplog):
+    """Said plainly (Flower's log at ERROR, the operator report, the closing line), naming
+    both sides; the run is not stopped (a reply is a user's: module agreement), and the
+    release is what any round without accepted replies releases."""
+    caplog.set_level(logging.WARNING)
     grid = ModGrid(8, "^head", schedule)
     s = _strategy(tmp_path, personal_layers=server)
-    with pytest.raises(ScheduleMismatch, match=words):
-        s.start(grid=grid, initial_arrays=_init())
-    assert s.accountant.ledger == [] and s.privacy_spent().epsilon == 0  # nothing released
-    assert "Stopped before this round's release" in caplog.text
+    s.start(grid=grid, initial_arrays=_init())
+    rounds = [row for row in s.rows if "answered_nodes" in row]
+    assert [row["answered_nodes"] for row in rounds] == [0, 0]
+    assert all(words in row["schedule_mismatch"] for row in rounds)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert sum("every reply disagrees with the server on the personal layers" in m
+               for m in errors) == 3  # each round, and the closing line
+    assert "2 of 2 rounds had no accepted reply" in caplog.text and words in errors[-1]
+    assert len(s.accountant.ledger) == 2  # the releases are made, as for any empty round
+    release = (tmp_path / "r.release.json").read_text()
+    assert "mismatch" not in release and "personal layers" not in release
 
 
 def test_an_agreed_schedule_trains_and_keeps_the_head_on_the_node(tmp_path):
@@ -196,25 +222,29 @@ def test_an_agreed_schedule_trains_and_keeps_the_head_on_the_node(tmp_path):
     assert [row["answered_nodes"] for row in s.rows] == [8, 8]
 
 
-def test_one_hostile_node_claiming_a_mismatch_does_not_stop_the_run(tmp_path):
-    """A mismatch stops the run only when every node that answered disagrees (a setting), so
-    one node cannot stop it by saying so."""
-    grid = ModGrid(8, "^head", "fedrep")
+@pytest.mark.parametrize("nodes", [8, 1])
+def test_a_node_claiming_a_mismatch_is_a_failed_node_alone_or_not(tmp_path, nodes):
+    """One node that says "schedule mismatch" (alone in its round, or beside honest ones)
+    changes nothing but its own reply: the run goes on."""
+    from flwr.app import Error
+
+    grid = ModGrid(nodes, "^head", "fedrep")
     real = grid.send_and_receive
 
     def one_liar(messages, *, timeout=None):
+        messages = list(messages)
         replies = real(messages, timeout=timeout)
-        from flwr.app import Error
-        first = replies[0]
-        if first.metadata.message_type == "train":
+        if messages[0].metadata.message_type == "train":
             replies[0] = Message(Error(code=0, reason="personalize: schedule mismatch: lies"),
-                                 reply_to=grid.sent[-len(replies)])
+                                 reply_to=messages[0])
         return replies
 
     grid.send_and_receive = one_liar
-    s = _strategy(tmp_path, personal_layers="^head")
+    inner = FedAvg(min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1)
+    s = _strategy(tmp_path, inner, num_users=nodes, personal_layers="^head")
     s.start(grid=grid, initial_arrays=_init())
-    assert [row["answered_nodes"] for row in s.rows] == [7, 7]
+    assert [row["answered_nodes"] for row in s.rows] == [nodes - 1] * 2
+    assert len(s.accountant.ledger) == 2
 
 
 # ----- rounds with no accepted reply ------------------------------------------------------------
@@ -336,6 +366,7 @@ def test_fit_head_refuses_personal_layers_that_are_not_one_linear_head():
 
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 5),
                                 torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    with _personal_phase(model, pattern=r"^4\.")[1] as shared:  # two layers: not one head
+    with _personal_phase(model, pattern=r"^(2|4)\.")[0] as personal:  # two layers
+        assert personal.name == "personal"
         with pytest.raises(ValueError, match="one torch.nn.Linear"):
-            shared.fit_head((torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)))
+            personal.fit_head((torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)))

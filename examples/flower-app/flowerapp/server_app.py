@@ -33,6 +33,7 @@ def main(grid: Grid, context: Context) -> None:
         strategy,  # fedpriv
         num_users=cfg["num-users"],  # fedpriv
         num_rounds=num_rounds,  # fedpriv
+        evaluate_every=num_rounds,  # fedpriv: the nodes fine-tune and evaluate after the last
         epsilon=cfg["epsilon"],  # fedpriv
         delta=cfg["delta"],  # fedpriv
         clip_norm=cfg["clip-norm"],  # fedpriv
