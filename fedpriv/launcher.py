@@ -254,6 +254,10 @@ class FlowerSession:
             self._tmp = None
 
 
+HEAD_START_TIMEOUT = 120.0
+"""Seconds the run's early Ray head has to come up before the run is stopped as failed."""
+
+
 def early_ray_head(config: RunConfig, keep_superlink: bool,
                    ray_address: str | None) -> RayHead | None:
     """A Ray head for this run, started now in the background (``RayHead``), so that it gets
@@ -266,7 +270,10 @@ def early_ray_head(config: RunConfig, keep_superlink: bool,
             or (named.isdigit() and _port_open(int(named)))):
         return None
     actors = client_actors(config, auto_num_nodes(config.num_users, config.users_per_node))
-    return RayHead(folder, ray_cpus(config), actor_env(dict(os.environ), actors))
+    try:
+        return RayHead(folder, ray_cpus(config), actor_env(dict(os.environ), actors))
+    except OSError:  # no `ray` command here: Flower's simulation starts Ray itself
+        return None
 
 
 def ray_cpus(config: RunConfig) -> int:
@@ -289,12 +296,11 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
     instance of its own. ``session``: one of several runs sharing the session's SuperLink and
     Ray head. ``head``: the run's own Ray head (``early_ray_head``), attached to the same way;
     the caller stops it."""
-    if head is not None:
-        if head.exited():
-            print("fedpriv: the run's Ray head did not start; the end of its log:\n"
-                  + head.log_tail(), file=sys.stderr)
-            return 1
-        ray_address = head.address
+    if head is not None and head.exited():  # e.g. a port taken meanwhile: Flower starts Ray
+        print("fedpriv: the run's early Ray head exited; the simulation starts its own Ray. "
+              "The end of the head's log:\n" + head.log_tail(), file=sys.stderr)
+        head = None
+    ray_address = head.address if head is not None else ray_address
     folder = run_folder()  # the guarded command's: removed however the command ends
     with tempfile.TemporaryDirectory(prefix="fedpriv-run-", dir=folder) as tmp:
         if session is not None and session.link is not None:
@@ -315,6 +321,8 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
         if folder and not ray_address and started_here and not keep_superlink:
             # Ray's session files: the run's own, removed with its folder
             env.setdefault("RAY_TMPDIR", folder)
+        if ray_address and head is not None and not started_here:
+            ray_address = None  # a SuperLink the user named started meanwhile: its own Ray
         if ray_address:
             if not started_here:
                 print(f"fedpriv: --ray-address needs a fresh local SuperLink, but the one named "
@@ -331,7 +339,8 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
             # proof of ownership): its ServerApp would take the claim for another run's
             unclaim(out)
         code = _flwr_run(config, values, out, env, link, quiet, tmp, session,
-                         stop=started_here and not keep_superlink, ray_address=ray_address)
+                         stop=started_here and not keep_superlink, ray_address=ray_address,
+                         head=head if ray_address else None)
     if code == 0 and started_here and keep_superlink and session is None:
         kept = _listening_pid(link.port)
         keep_running(process_tree(kept) if kept else set())
@@ -378,7 +387,7 @@ def client_actors(config: RunConfig, nodes: int) -> int:
 
 def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[str, str],
               link: LocalSuperLink, quiet: bool, tmp: str, session: FlowerSession | None,
-              stop: bool, ray_address: str | None) -> int:
+              stop: bool, ray_address: str | None, head: RayHead | None = None) -> int:
     """``flwr run`` of the run's config in ``env``; the SuperLink stopped after it if
     ``stop``."""
     nodes = auto_num_nodes(config.num_users, config.users_per_node)
@@ -412,6 +421,8 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, start_new_session=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace")
+        if head is not None:  # a head that never comes up would leave the driver retrying
+            head.watch(HEAD_START_TIMEOUT, proc.kill)
     except FileNotFoundError:
         print(f"fedpriv: Flower's `flwr` command was found neither beside {sys.executable} "
               "nor on PATH: install fedpriv's dependencies in this environment "

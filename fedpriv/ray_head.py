@@ -14,7 +14,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fedpriv.executables import tool_path
@@ -122,6 +125,20 @@ class RayHead:
                 return False
             time.sleep(0.1)
         return False
+
+    def watch(self, timeout: float, on_failure: Callable[[], object]) -> threading.Thread:
+        """Call ``on_failure`` (from a daemon thread) if the head is not up within ``timeout``
+        seconds (or exits first), with a line naming why and the end of its log."""
+        def check() -> None:
+            if not self.wait(timeout):
+                state = "exited" if self.exited() else f"was not up after {timeout:g} s"
+                print(f"fedpriv: the run's Ray head {state}; stopping the run. The end of its "
+                      f"log:\n{self.log_tail()}", file=sys.stderr, flush=True)
+                on_failure()
+
+        thread = threading.Thread(target=check, name="ray-head-watch", daemon=True)
+        thread.start()
+        return thread
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log().strip().splitlines()[-lines:])

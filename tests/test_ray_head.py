@@ -11,7 +11,7 @@ import pytest
 
 from fedpriv import launcher
 from fedpriv.configure import parse_config
-from fedpriv.ray_head import group_running, stop_group
+from fedpriv.ray_head import READY_LINE, RayHead, group_running, stop_group
 
 
 def _state(pid: int) -> str:
@@ -82,7 +82,8 @@ def test_no_early_head_where_the_run_brings_its_own_ray(heads, monkeypatch):
     assert len(heads) == 1
 
 
-def test_a_run_whose_ray_head_died_says_why_and_starts_no_flower(tmp_path, monkeypatch, capsys):
+def test_a_run_whose_ray_head_died_says_why_and_lets_flower_start_its_own_ray(
+        tmp_path, monkeypatch, capsys):
     class Dead:
         address = "127.0.0.1:1"
 
@@ -92,8 +93,64 @@ def test_a_run_whose_ray_head_died_says_why_and_starts_no_flower(tmp_path, monke
         def log_tail(self):
             return "gcs_server: port 1 is already in use"
 
-    monkeypatch.setattr(launcher, "_flwr_run", lambda *a, **k: pytest.fail("Flower started"))
+    ran = {}
+
+    def flwr_run(*args, **kwargs):
+        ran.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(launcher, "_flwr_run", flwr_run)
+    monkeypatch.delenv(launcher.LOCAL_SUPERLINK_PORT_ENV, raising=False)
     config = parse_config({"num-users": 200})
-    assert launcher.run_flower(config, {}, tmp_path / "r.json", False, head=Dead()) == 1
+    assert launcher.run_flower(config, {}, tmp_path / "r.json", False, head=Dead()) == 0
+    assert ran["ray_address"] is None and ran["head"] is None
     err = capsys.readouterr().err
-    assert "Ray head did not start" in err and "port 1 is already in use" in err
+    assert "Ray head exited; the simulation starts its own Ray" in err
+    assert "port 1 is already in use" in err
+
+
+def test_no_ray_command_means_no_early_head(heads, monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("ray")
+
+    monkeypatch.setattr(launcher, "RayHead", missing)
+    assert launcher.early_ray_head(parse_config({"num-users": 200}), False, None) is None
+
+
+def _head_of(proc, log: Path) -> RayHead:
+    head = RayHead.__new__(RayHead)
+    head.folder, head.log_path, head.proc = str(log.parent), log, proc
+    return head
+
+
+def test_a_head_that_never_comes_up_stops_the_run_and_a_ready_one_does_not(tmp_path, capsys):
+    log = tmp_path / "ray-head.log"
+    log.write_text("starting...\n")
+    hung = _head_of(subprocess.Popen(["sleep", "30"], start_new_session=True), log)
+    failed = []
+    hung.watch(0.3, lambda: failed.append(True)).join(10)
+    assert failed == [True]
+    assert "was not up after 0.3 s; stopping the run" in capsys.readouterr().err
+    hung.stop()
+    log.write_text(f"{READY_LINE}.\n")
+    ready = _head_of(subprocess.Popen(["sleep", "30"], start_new_session=True), log)
+    ready.watch(0.3, lambda: failed.append(False)).join(10)
+    assert failed == [True]
+    ready.stop()
+    assert not group_running(ready.proc.pid)
+
+
+def test_the_early_head_is_stopped_when_the_config_fails_its_checks(monkeypatch, tmp_path):
+    """A plan no noise level meets fails after the head started: the head is stopped."""
+    from fedpriv import cli, run_command
+
+    stopped = []
+
+    class Head:
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(run_command, "early_ray_head", lambda *a: Head())
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "--set", "epsilon=50000", "--out", str(tmp_path / "r.json")]) == 2
+    assert stopped == [True]
