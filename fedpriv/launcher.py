@@ -29,7 +29,7 @@ from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
 from fedpriv.nodes import auto_num_nodes
 from fedpriv.outputs import unclaim
-from fedpriv.ray_head import RayHead
+from fedpriv.ray_head import RayHead, driver_env
 from fedpriv.ray_head import free_port as _free_port
 from fedpriv.ray_head import stop_group as _stop_group
 from fedpriv.stopping import (
@@ -111,8 +111,6 @@ def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
     return env
 
 
-RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-"""Ray's setting that, at ``0``, keeps a driver on the loopback address it was given."""
 RAY_PRESTART_ENV = "RAY_prestart_worker_first_driver"
 """Ray's setting (read by its raylet) to start one idle Python worker per CPU when the first
 driver connects."""
@@ -218,8 +216,7 @@ class FlowerSession:
                                "SuperLink named with FLWR_LOCAL_SUPERLINK_HTTP_API_PORT)")
         if link.running():
             raise RuntimeError(f"the session's SuperLink port {link.port} was taken meanwhile")
-        env = actor_env(link.env({**os.environ, "RAY_ADDRESS": self.ray_address,
-                                  RAY_LOOPBACK_ENV: "0",
+        env = actor_env(link.env({**os.environ, **driver_env(self.ray_address),
                                   NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}),
                         self.num_cpus)
         state = Path(env["FLWR_HOME"], "local-superlink")
@@ -329,11 +326,7 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
                       f"on 127.0.0.1:{link.port} is running (it would keep its own Ray "
                       "instance); stop it first", file=sys.stderr)
                 return 2
-            env["RAY_ADDRESS"] = ray_address
-            if ray_address.startswith(("127.0.0.1:", "localhost:")):
-                # without it, Ray (on Linux) replaces a loopback address by the machine's own
-                # IP, which a head bound to 127.0.0.1 (ours) never answers: the driver hangs
-                env[RAY_LOOPBACK_ENV] = "0"
+            env.update(driver_env(ray_address))
         if not started_here and session is None:
             # a SuperLink already running does not carry this command's token (the claim's
             # proof of ownership): its ServerApp would take the claim for another run's
@@ -405,8 +398,9 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     cores = os.cpu_count() or 1
     federation = f"num-supernodes={nodes} client-resources-num-cpus={max(1, cores // actors)}"
     actor_env(env, actors)
-    if ray_cpus(config) > cores and not ray_address:  # a cluster's CPUs are its own
-        federation += f" init-args-num-cpus={ray_cpus(config)}"
+    logical = ray_cpus(config)
+    if logical > cores and not ray_address:  # a cluster's CPUs are its own
+        federation += f" init-args-num-cpus={logical}"
     cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
            "--federation-config", federation]
     if not quiet:

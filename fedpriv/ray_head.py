@@ -24,6 +24,19 @@ from fedpriv.executables import tool_path
 
 READY_LINE = "Ray runtime started"
 """What ``ray start --head`` prints once its GCS and raylet are up."""
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's setting that, at ``0``, keeps a driver (and a head) on the loopback address."""
+
+
+def driver_env(address: str) -> dict[str, str]:
+    """What a Ray driver's environment needs to attach to the cluster at ``address``: Ray's
+    ``RAY_ADDRESS``, and for a loopback address ``RAY_LOOPBACK_ENV=0`` (without it, Ray on
+    Linux replaces a loopback address by the machine's own IP, which a head bound to 127.0.0.1
+    never answers: the driver hangs)."""
+    env = {"RAY_ADDRESS": address}
+    if address.startswith(("127.0.0.1:", "localhost:")):
+        env[RAY_LOOPBACK_ENV] = "0"
+    return env
 
 
 def free_port() -> int:
@@ -101,7 +114,7 @@ class RayHead:
                  f"--dashboard-agent-listen-port={free_port()}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=tool_path({**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}))
+                env=tool_path({**env, RAY_LOOPBACK_ENV: "0"}))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""

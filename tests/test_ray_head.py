@@ -154,3 +154,11 @@ def test_the_early_head_is_stopped_when_the_config_fails_its_checks(monkeypatch,
     monkeypatch.chdir(tmp_path)
     assert cli.main(["run", "--set", "epsilon=50000", "--out", str(tmp_path / "r.json")]) == 2
     assert stopped == [True]
+
+
+def test_a_driver_keeps_a_loopback_address_and_leaves_a_cluster_address_alone():
+    from fedpriv.ray_head import RAY_LOOPBACK_ENV, driver_env
+
+    assert driver_env("127.0.0.1:6379") == {"RAY_ADDRESS": "127.0.0.1:6379",
+                                            RAY_LOOPBACK_ENV: "0"}
+    assert driver_env("10.0.0.5:6379") == {"RAY_ADDRESS": "10.0.0.5:6379"}
