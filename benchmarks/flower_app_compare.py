@@ -75,6 +75,7 @@ def fedpriv_keys(app: dict[str, Any]) -> dict[str, Any]:
         "clip-quantile": app["clip-quantile"], "final-head-steps": app["head-steps"],
         "head-lr": app["head-lr"], "learning-rate": 1.0, "server-momentum": 0.0,
         "users-per-round": 0, "max-rows-per-user": 1000,
+        "final-choice": "off",  # the app fine-tunes every user's head: compare like with like
     }
 
 

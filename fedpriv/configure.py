@@ -83,8 +83,9 @@ def parse_config(values: Mapping[str, Any], strict: bool = False) -> RunConfig:
 
         check_size(config, machine=False)  # steps and time first: absurd sizes never cut
     cls.validate(config)
-    check(config, cls)
-    return config
+    resolved: RunConfig = cls.resolved(config)
+    check(resolved, cls)
+    return resolved
 
 
 def config_defaults(config: RunConfig) -> dict[str, Any]:

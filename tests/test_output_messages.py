@@ -134,6 +134,22 @@ def test_a_result_worse_than_each_user_alone_gets_a_one_line_hint():
     assert "note:" not in summary_lines(_results(deep))[1]
 
 
+def test_the_summary_says_what_the_users_chose():
+    deep = {"accuracy": 0.715, "accuracy_p10": 0.4, "test_loss": 0.78,
+            "accuracy_shared": 0.7088, "accuracy_local": 0.6943, "chose_shared": 0.3433,
+            "chose_mix": 0.4607, "chose_local": 0.196}
+    quality, choice = summary_lines(_results(deep))[1].splitlines()
+    assert "accuracy 0.7150" in quality
+    assert choice == ("  each user's final choice (on its own training rows): shared model 34%, "
+                      "a mix 46%, its own 20%; without the choice 0.7088, each user's linear "
+                      "model alone 0.6943")
+    linear = {"population_mse": 1.15, "local_only_mse": 0.99, "population_mse_shared": 3.2,
+              "chose_shared": 0.07, "chose_mix": 0.34, "chose_local": 0.59}
+    lines = summary_lines(_results(linear))[1].splitlines()
+    assert lines[1].endswith("its own 59%; population MSE without the choice 3.2")
+    assert lines[2].startswith("  note: worse than each user training alone")
+
+
 def test_the_quick_starts_priv_altmin_run_says_it_is_worse_than_local_only():
     """README's second command (priv-altmin, epsilon 2; fewer users): the noise dominates."""
     config = parse_config({"algorithm": "priv-altmin", "epsilon": 2, "seed": 1,

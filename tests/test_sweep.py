@@ -270,16 +270,18 @@ def _stored_sweeps() -> list:
 
 def test_figure_configs_set_the_hyperparameters_that_defaults_may_change():
     """A stored figure never depends on a tuned default: every run of an algorithm with
-    defaults of its own (and of the deep cross-fitting) names those keys in its sweep file,
-    so a change of a default changes no figure. (Every run's config and size are checked;
-    the privacy plans are calibrated in the slow tier's test below.)"""
+    defaults of its own (and of the deep cross-fitting, head steps and final choice) names
+    those keys in its sweep file, so a change of a default changes no figure. (Every run's
+    config and size are checked; the privacy plans are calibrated in the slow tier's test
+    below.)"""
     from fedpriv.registry import get_algorithm
 
     checked = 0
     for path in _stored_sweeps():
         for run in load_sweep(path, plans=False).runs:
             cls = get_algorithm(run.algorithm)
-            tuned = set(cls.defaults) | ({"cross-fit"} & set(cls.declared_params()))
+            tuned = set(cls.defaults) | ({"cross-fit", "head-steps", "final-choice"}
+                                         & set(cls.declared_params()))
             missing = sorted(tuned - set(run.values))
             assert not missing, f"{path.name}, {run.series}: set {missing} in the file"
             checked += bool(tuned)

@@ -205,6 +205,13 @@ class Algorithm(Generic[C]):
                               f"{', '.join(cls.feature_families)} (or auto), not {family!r}")
 
     @classmethod
+    def resolved(cls, config: C) -> C:
+        """The config with the algorithm's defaults that follow public values of the problem
+        (not only the core keys a ``Rule`` reads) filled in; called after ``validate``, so
+        that the results' config holds the value that ran. The config as given by default."""
+        return config
+
+    @classmethod
     def check_inputs(cls, config: C) -> None:
         """Checks that read the run's input data in full (a data file's every value). The CLI
         runs them before a run whose nodes read the files it was given (``fedpriv run``,

@@ -42,3 +42,19 @@ CLIPPING = Param("clipping", bool, True, "clip per-user contributions; `false` o
                  "non-private baselines (private algorithms refuse it)")
 RESPONSE_CLIP = Param("response-clip", float, 2.0, "zeta: clip of labels (Priv-AltMin, the "
                       "`pairs` init, a-exp's score bound B_y)", positive, "a number > 0")
+
+# ----- each user's final choice (deep and linear personalization) -----------------------------
+# the weights of the shared model in a user's mix with its local model, the first winning ties
+# (the larger weight: the model with more data behind it)
+MIX_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)
+FINAL_CHOICE = Param(
+    "final-choice", str, "best", "each user's final model: `best` = of its local model "
+    "(trained on its own rows alone), the method's personal model and mixes of the two, the "
+    "one of least loss on its own training rows by cross-validation (a post-processing on the "
+    "user's node: no privacy cost, the release does not change; docs: never worse than "
+    "training alone); `off` = the method's personal model for every user",
+    *one_of(("best", "off")))
+CHOICE_FOLDS = Param(
+    "choice-folds", int, 5, "final-choice = best: k of the k-fold cross-validation on each "
+    "user's training rows (row j in fold j mod k; k + 1 fits of each model)",
+    lambda k: k >= 2, "an integer >= 2")

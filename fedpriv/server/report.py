@@ -140,6 +140,9 @@ def summary_lines(results: Mapping[str, Any]) -> list[str]:
         quality = "  no metrics: no node answered the final step (see the rejected replies)"
     else:
         quality = quality_line(m)
+    choice = choice_line(m or simulated)
+    if choice:
+        quality += "\n" + choice
     note = local_only_note(m or simulated, results)
     if note:
         quality += "\n" + note  # one entry with the quality line, so the indices stay
@@ -183,6 +186,21 @@ def quality_line(m: Mapping[str, float]) -> str:
                           for k, v in m.items()]
         quality = "  " + "   ".join(shown)
     return quality
+
+
+def choice_line(m: Mapping[str, float]) -> str | None:
+    """What the users kept with final-choice = best (docs: never worse than training alone):
+    the shares of each kind and the figures without the choice and alone; None without it."""
+    if "chose_shared" not in m:
+        return None
+    if "accuracy_shared" in m:
+        figures = (f"without the choice {m['accuracy_shared']:.4f}, each user's linear model "
+                   f"alone {m['accuracy_local']:.4f}")
+    else:
+        figures = f"population MSE without the choice {m['population_mse_shared']:.4g}"
+    return (f"  each user's final choice (on its own training rows): shared model "
+            f"{m['chose_shared']:.0%}, a mix {m['chose_mix']:.0%}, its own {m['chose_local']:.0%};"
+            f" {figures}")
 
 
 # (the model's metric, each user alone, its name, whether lower is better), in quality_line's

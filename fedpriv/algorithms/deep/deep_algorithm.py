@@ -27,6 +27,7 @@ or the global head fine-tuned; ``final_fit.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -36,11 +37,16 @@ import torch
 from fedpriv.algorithms.base import EXACT_EVAL, Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.batches import LocalProblem, disjoint_batches
+from fedpriv.algorithms.deep.choice import (
+    choice_scores,
+    choice_sums,
+    empty_choice_sums,
+    summarize_choice,
+)
 from fedpriv.algorithms.deep.final_fit import (
     Scores,
     accuracy_sums,
     final_chunk,
-    summarize,
 )
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum
 from fedpriv.algorithms.deep.models import ModelSpec
@@ -49,6 +55,7 @@ from fedpriv.algorithms.deep.params import (
     PRIVATE_DEFAULTS,
     DeepConfig,
     DeepLocalConfig,
+    auto_head_steps,
 )
 from fedpriv.algorithms.deep.problem import (
     DeepProblem,
@@ -110,6 +117,13 @@ class DeepBase(Algorithm[DC]):
         if config.cross_fit > 2 * b:
             raise ConfigError(f"cross-fit: {config.cross_fit} folds of a user's two batches "
                               f"of {b} rows leave a fold empty (at most {2 * b})")
+
+    @classmethod
+    def resolved(cls, config: DC) -> DC:
+        """head-steps = -1: ``auto_head_steps`` of the public batch size."""
+        if config.head_steps >= 0:
+            return config
+        return replace(config, head_steps=auto_head_steps(public_batch_size(config)))
 
     @classmethod
     def check_inputs(cls, config: DC) -> None:
@@ -190,11 +204,12 @@ class DeepBase(Algorithm[DC]):
                 part = cls.final_sums(config, problem, model, ids)
                 sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
         if not sums:
-            sums = cls.empty_sums()
+            sums = cls.empty_sums(config)
         return UserContribution({}, len(user_ids), 0, sums)
 
     @classmethod
-    def empty_sums(cls) -> dict[str, float]:
+    def empty_sums(cls, config: DC) -> dict[str, float]:
+        """The metric sums of a node without users (the same keys as its peers')."""
         return accuracy_sums(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
 
     @classmethod
@@ -211,6 +226,8 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
     defaults = PRIVATE_DEFAULTS
     # the state's "released" entry: the part of the model the rounds train and release
     released_part: ClassVar[str] = ""
+    # each user's final head (``choice.HEAD_FROM``): as ``final_scores`` fits it
+    head_from: ClassVar[str] = "zero"
 
     # ----- what a round trains and releases, and the final fit: each variant's own ----------
     @classmethod
@@ -313,7 +330,7 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
         return report
 
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
-        return summarize(metric_sums)
+        return summarize_choice(metric_sums)
 
     def state(self) -> dict[str, Any]:
         released = self.model[:self.release_size]
@@ -398,8 +415,26 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
     @classmethod
     def final_sums(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
                    ids: np.ndarray) -> dict[str, float]:
+        """Metric sums of what the users keep: with final-choice = best, each user's choice
+        between its local model, the personal model and their mixes (``choice.py``)."""
+        if config.final_choice == "best":
+            return choice_sums(choice_scores(config, problem, model, ids, cls.head_from))
         acc, loss, counts = cls.final_scores(config, problem, model, ids)
         return accuracy_sums(acc, loss, counts)
+
+    @classmethod
+    def kept_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
+                    ids: np.ndarray, split: str) -> Scores:
+        """``final_scores`` of what each user keeps (with final-choice = best, its choice)."""
+        if config.final_choice == "best":
+            kept = choice_scores(config, problem, model, ids, cls.head_from, split)
+            return kept["acc"], kept["loss"], kept["counts"]
+        return cls.final_scores(config, problem, model, ids, split)
+
+    @classmethod
+    def empty_sums(cls, config: DeepConfig) -> dict[str, float]:
+        return empty_choice_sums() if config.final_choice == "best" else super().empty_sums(
+            config)
 
     # ----- private evaluation (private-metrics; fedpriv.evaluation) ---------------------------
     @staticmethod
@@ -419,7 +454,7 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
         errors = []
         with torch.no_grad():
             for start in range(0, len(user_ids), size):
-                acc, loss, seen = cls.final_scores(config, problem, model,
-                                                   user_ids[start:start + size], split)
+                acc, loss, seen = cls.kept_scores(config, problem, model,
+                                                  user_ids[start:start + size], split)
                 errors.append(np.where((seen > 0) & np.isfinite(loss), 1.0 - acc, 1.0))
         return {f"{split}_error": np.concatenate(errors) if errors else np.zeros(0)}

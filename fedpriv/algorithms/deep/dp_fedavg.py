@@ -32,6 +32,7 @@ class DeepDPFedAvg(DeepAlgorithm):
     name = "deep-dp-fedavg"
     summary = "DP-FedAvg: one global torch model for every user (baseline)"
     released_part = "model"
+    head_from = "none"
 
     @classmethod
     def released_size(cls, spec: ModelSpec) -> int:
@@ -62,6 +63,7 @@ class DeepDPFedAvgFT(DeepDPFedAvg):
 
     name = "deep-dp-fedavg-ft"
     summary = "DP-FedAvg, then each user fine-tunes the head locally"
+    head_from = "global"
 
     @classmethod
     def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,

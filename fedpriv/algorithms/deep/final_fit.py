@@ -65,7 +65,13 @@ def final_chunk(config: DeepLocalConfig, problem: DeepProblem, user_ids: np.ndar
     train = int(problem.users.train.counts[user_ids].max(initial=1))
     scored = max(int(problem.users.test.counts.max(initial=1)),
                  0 if problem.validation is None else int(problem.validation.counts.max()))
-    return chunk_users(problem, train + scored, 0, config.chunk_mb)
+    own = 0
+    if getattr(config, "final_choice", "off") == "best":  # a local head on the raw inputs,
+        # and the two models' probabilities on the training and scored rows
+        classes = problem.spec.num_classes
+        own = classes * (int(np.prod(problem.spec.input_shape)) + 1) + 2 * classes * (
+            train + scored)
+    return chunk_users(problem, train + scored, own, config.chunk_mb)
 
 
 def functional_logits(spec: ModelSpec, model: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class DeepLocalOnly(DeepBase[DeepLocalConfig]):
                 "local_learner": 0.0 if best is linear else 1.0}
 
     @classmethod
-    def empty_sums(cls) -> dict[str, float]:
+    def empty_sums(cls, config: DeepLocalConfig) -> dict[str, float]:
         none = np.zeros(0)
         return {**accuracy_sums(none, none, none.astype(np.int64), "lin"),
                 **accuracy_sums(none, none, none.astype(np.int64), "own")}

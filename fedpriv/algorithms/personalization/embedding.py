@@ -25,6 +25,11 @@ import numpy as np
 
 from fedpriv.algorithms.base import Algorithm, Part, Step, UserContribution
 from fedpriv.algorithms.personalization import init_math
+from fedpriv.algorithms.personalization.choice import (
+    choice_metrics,
+    choice_sums,
+    chosen_models,
+)
 from fedpriv.algorithms.personalization.linear_math import orthonormalize, subspace_distance
 from fedpriv.algorithms.personalization.params import EmbeddingConfig
 from fedpriv.algorithms.personalization.problem import (
@@ -37,7 +42,7 @@ from fedpriv.algorithms.personalization.problem import (
     problem_of,
 )
 from fedpriv.data.cache import cohort_data
-from fedpriv.data.synthetic import ground_truth_embedding
+from fedpriv.data.synthetic import ground_truth_embedding, true_user_models
 from fedpriv.params import ConfigError
 from fedpriv.privacy.accounting import PlannedRelease
 
@@ -129,7 +134,8 @@ class EmbeddingAlgorithm(Algorithm[EC]):
         return {"subspace_distance": subspace_distance(self.embedding, self._truth)}
 
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
-        metrics = final_metrics(self.config, metric_sums, num_users)
+        metrics = {**final_metrics(self.config, metric_sums, num_users),
+                   **choice_metrics(self.config.label_noise, metric_sums, num_users)}
         if self.embedding is None:
             raise RuntimeError("finalize before the embedding was released")
         metrics["subspace_distance"] = subspace_distance(self.embedding, self._truth)
@@ -144,7 +150,12 @@ class EmbeddingAlgorithm(Algorithm[EC]):
     @classmethod
     def evaluation_values(cls, config: EC, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
-        models = embedding_models(problem_of(config), arrays["embedding"], user_ids)
+        problem = problem_of(config)
+        if config.final_choice == "best":
+            data = cohort_data(problem, user_ids)
+            models = chosen_models(arrays["embedding"], data, config.choice_folds)[0]
+        else:
+            models = embedding_models(problem, arrays["embedding"], user_ids)
         return evaluation_mse(config, user_ids, models)
 
     @classmethod
@@ -154,9 +165,16 @@ class EmbeddingAlgorithm(Algorithm[EC]):
         problem = problem_of(config)
         if step.is_final:  # the users' data is fetched once for the fit and the metrics
             data = cohort_data(problem, user_ids)
-            models = embedding_models(problem, arrays["embedding"], user_ids, data)
+            if config.final_choice == "best":  # each user's choice (``choice.py``)
+                models, shared, weight = chosen_models(arrays["embedding"], data,
+                                                       config.choice_folds)
+            else:
+                models = embedding_models(problem, arrays["embedding"], user_ids, data)
             metrics = evaluate_models(problem, user_ids, models, config.test_samples_per_user,
                                       data)
+            if config.final_choice == "best":
+                w_star = true_user_models(problem, data.true_local_vectors)
+                metrics.update(choice_sums(w_star, shared, weight))
             return UserContribution({}, len(user_ids), 0, metrics)
         data = cohort_data(problem, user_ids, part="s0")  # init and rounds read S0 only
         if step.kind == "init":

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedpriv.algorithms.shared_params import (
+    CHOICE_FOLDS,
     CLIP_NORM,
     CLIPPING,
     DIM,
     FEATURE_DIST,
+    FINAL_CHOICE,
     LABEL_NOISE,
     LEARNING_RATE,
     RANK,
@@ -117,9 +119,16 @@ class GlobalModelKeys(RunConfig):
     clipping: bool = key(CLIPPING)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChoiceKeys(RunConfig):
+    component: ClassVar[str] = "final choice"
+    final_choice: str = key(FINAL_CHOICE)
+    choice_folds: int = key(CHOICE_FOLDS)
+
+
 # ----- what each algorithm reads ---------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class EmbeddingConfig(ProblemKeys, InitKeys):
+class EmbeddingConfig(ProblemKeys, InitKeys, ChoiceKeys):
     """The shared-embedding algorithms: the problem and the initialization."""
 
 
