@@ -28,8 +28,8 @@ DP-FedAvg's model) was trained on every user's rows, these included; a private m
 them only through the user's clipped, noised share, which bounds what it can have learnt of
 them, while for a non-private baseline the held-back score flatters the shared model.
 
-An algorithm states its final head in ``head_from`` (``HEAD_FROM``); a subclass that changes
-``final_scores`` otherwise must say so there too, or set final-choice = off.
+An algorithm states its final head in ``head_from`` (``HEAD_FROM``), which both this choice
+and ``DeepAlgorithm.final_scores`` (the personal model without the choice) follow.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ samples are the same with or without them; a test checks).
 A subclass says what a round trains and releases (``released_part``, ``released_size``,
 ``ghost_eligible``, ``heads_per_user``, ``local_problem``: the body for FedRep,
 ``private_fedrep.py``; the whole model for DP-FedAvg, ``dp_fedavg.py``) and how each user's
-final personal model is fitted (``final_scores``: a head from zero, the global model as it is,
-or the global head fine-tuned; ``final_fit.py``).
+final personal model is fitted (``head_from``: a head from zero, the global model as it is,
+or the global head fine-tuned; ``final_scores``, ``final_fit.py``), and each user's final choice
+among it, its own model and their mixes (``choice.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from fedpriv.algorithms.deep.final_fit import (
     Scores,
     accuracy_sums,
     final_chunk,
+    fitted_head_scores,
+    global_model_scores,
 )
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum
 from fedpriv.algorithms.deep.models import ModelSpec
@@ -226,7 +229,7 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
     defaults = PRIVATE_DEFAULTS
     # the state's "released" entry: the part of the model the rounds train and release
     released_part: ClassVar[str] = ""
-    # each user's final head (``choice.HEAD_FROM``): as ``final_scores`` fits it
+    # each user's final head (``choice.HEAD_FROM``), for ``final_scores`` and the final choice
     head_from: ClassVar[str] = "zero"
 
     # ----- what a round trains and releases, and the final fit: each variant's own ----------
@@ -260,8 +263,14 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
     def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
                      ids: np.ndarray, split: str = "test") -> Scores:
         """Each user's accuracy and loss on its ``split`` rows (``test``, or ``validation``:
-        the training rows held back) after its final fit, and how many rows it has there."""
-        raise NotImplementedError
+        the training rows held back) after its final fit as ``head_from`` says (a head fitted
+        on all its training rows, the released body frozen, from zero or from the global
+        head; or the global model as it is), and how many rows it has there."""
+        if cls.head_from == "none":
+            return global_model_scores(problem, model, ids, split)
+        start = (model[problem.spec.body_size:].expand(len(ids), -1)
+                 if cls.head_from == "global" else None)
+        return fitted_head_scores(config, problem, model, ids, split, start)
 
     # ----- server side -----------------------------------------------------------------------
     def __init__(self, config: DeepConfig) -> None:

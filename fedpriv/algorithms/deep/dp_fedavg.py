@@ -18,7 +18,6 @@ import torch
 
 from fedpriv.algorithms.deep.batches import LocalProblem, take_rows
 from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
-from fedpriv.algorithms.deep.final_fit import Scores, fitted_head_scores, global_model_scores
 from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
 from fedpriv.algorithms.deep.models import ModelSpec
 from fedpriv.algorithms.deep.params import FEDAVG_FT_DEFAULTS, DeepConfig
@@ -52,11 +51,6 @@ class DeepDPFedAvg(DeepAlgorithm):
         return LocalProblem(model, None, take_rows(block.x, both), take_rows(block.y, both),
                             torch.cat([weights, weights], 1))
 
-    @classmethod
-    def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
-                     ids: np.ndarray, split: str = "test") -> Scores:
-        return global_model_scores(problem, model, ids, split)
-
 
 class DeepDPFedAvgFT(DeepDPFedAvg):
     """DP-FedAvg's rounds; the final step fine-tunes each user's head from the global one."""
@@ -64,14 +58,6 @@ class DeepDPFedAvgFT(DeepDPFedAvg):
     name = "deep-dp-fedavg-ft"
     summary = "DP-FedAvg, then each user fine-tunes the head locally"
     head_from = "global"
-
-    @classmethod
-    def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
-                     ids: np.ndarray, split: str = "test") -> Scores:
-        """Each user's head fitted on all its training rows from the global head, the
-        released body frozen."""
-        start = model[problem.spec.body_size:].expand(len(ids), -1)
-        return fitted_head_scores(config, problem, model, ids, split, start)
 
 
 class DeepFedAvgFT(DeepDPFedAvgFT):

@@ -1,7 +1,7 @@
 """The final step of the deep algorithms: each user's personal model and the metric sums a node
 reports (to the operator, never released).
 
-Two ways to the personal model, chosen by each algorithm's ``final_scores``: a linear head fitted
+Two ways to the personal model, chosen by each algorithm's ``head_from``: a linear head fitted
 on the user's training rows with the released body frozen (``fitted_head_scores``: from zero, or
 from the global model's head), or the global model as it is (``global_model_scores``). The
 metric sums hold each user's accuracy and loss and a histogram of the per-user accuracy (for

@@ -30,7 +30,6 @@ import torch
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.batches import LocalProblem, cross_fitted, take_rows
 from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
-from fedpriv.algorithms.deep.final_fit import Scores, fitted_head_scores
 from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
 from fedpriv.algorithms.deep.models import ModelSpec
 from fedpriv.algorithms.deep.params import FEDREP_DEFAULTS, DeepConfig
@@ -76,13 +75,6 @@ class DeepPrivateFedRep(DeepAlgorithm):
                              config.head_steps, config.head_lr, bias=spec.head_bias)
         return LocalProblem(body, heads, take_rows(block.x, second), take_rows(block.y, second),
                             weights)
-
-    @classmethod
-    def final_scores(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
-                     ids: np.ndarray, split: str = "test") -> Scores:
-        """Each user's head fitted from zero on all its training rows, the released body
-        frozen."""
-        return fitted_head_scores(config, problem, model, ids, split)
 
 
 class DeepFedRep(DeepPrivateFedRep):
