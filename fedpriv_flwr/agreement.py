@@ -41,13 +41,18 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 from fedpriv_flwr.personal import PERSONAL_CONFIG
 
 __all__ = ["PERSONAL_CONFIG", "SCHEDULE_MISMATCH", "check_evaluation", "inner_evaluation",
-           "no_reply_reason", "no_reply_summary", "population_warning", "schedule_mismatch",
-           "train_sampling_rate"]
+           "no_reply_reason", "no_reply_summary", "population_warning", "rejection_summary",
+           "schedule_mismatch", "train_sampling_rate"]
 
 SCHEDULE_MISMATCH = "personalize: schedule mismatch"
 """How the client mod's error reply for a pattern that is not its own begins."""
-PROTOCOL_REJECTIONS = ("carries personal layers", "misses released keys")
-"""Reasons (``RoundSum.rejected``) of replies whose keys disagree with the server's pattern."""
+PROTOCOL_REJECTIONS = ("carries personal layers",)
+"""Reasons (``RoundSum.rejected``) of replies whose keys disagree with the server's pattern (a
+reply that misses keys is a handler's bug as often as a schedule's: said as it is, below)."""
+STRUCTURAL = ("carries personal layers", "misses released keys", "has keys the server did not",
+              "key ", "holds ")
+"""Rejection reasons about the reply's structure (keys, shapes, dtypes, records): the model's,
+no user's value, so Flower's log may say them; the others are in the operator report only."""
 
 
 def _fedavg_default(name: str) -> object:
@@ -147,8 +152,16 @@ def no_reply_reason(row: dict[str, object]) -> str:
     failed = row.get("failed_nodes", 0)
     rejected = row.get("rejected_nodes") or {}
     count = sum(rejected.values()) if isinstance(rejected, dict) else 0
+    said = rejection_summary(rejected) if isinstance(rejected, dict) else ""
     return (f"no reply was accepted ({sampled} nodes sampled, {failed} failed, {count} "
-            "rejected; reasons in the operator report)")
+            f"rejected{': ' + said if said else ''}; reasons in the operator report)")
+
+
+def rejection_summary(rejected: dict[str, int], most: int = 2) -> str:
+    """The commonest structural rejection reasons, for Flower's log (``STRUCTURAL``)."""
+    said = sorted(((n, r) for r, n in rejected.items() if r.startswith(STRUCTURAL)),
+                  key=lambda item: -item[0])[:most]
+    return "; ".join(f"{n} x a reply that {r}" for n, r in said)
 
 
 def no_reply_summary(rows: list[dict[str, object]], mismatch: str | None = None) -> str | None:
@@ -159,7 +172,13 @@ def no_reply_summary(rows: list[dict[str, object]], mismatch: str | None = None)
         return None
     trained = sum(1 for row in rows if "answered_nodes" in row)
     learned = " and the model learned nothing from the nodes" if len(empty) == trained else ""
-    why = f"; {mismatch}" if mismatch else "; the reasons are in the operator report"
+    rejected: dict[str, int] = {}
+    for row in rows:
+        for reason, n in dict(row.get("rejected_nodes") or {}).items():  # type: ignore[call-overload]
+            rejected[reason] = rejected.get(reason, 0) + n
+    said = rejection_summary(rejected, most=1)
+    why = (f"; {mismatch}" if mismatch else f"; {said}" if said
+           else "; the reasons are in the operator report")
     return (f"{len(empty)} of {trained} rounds had no accepted reply (rounds {empty[:10]}): "
             f"their releases are noise alone{learned}{why}")
 

@@ -58,3 +58,27 @@ def personal_of(pattern: str | None, keys: Sequence[str]) -> frozenset[str]:
     from fedpriv_flwr.personal import personal_keys
 
     return frozenset(personal_keys(pattern, keys))
+
+
+def check_options(multi_user_nodes: bool, personal_layers: str | None, private_metrics: bool,
+                  exact_metrics: str | None) -> str:
+    """Refuse ``PrivateStrategy`` options that do not go together; returns where the exact
+    metrics go (``exact_metrics``, its default resolved)."""
+    if multi_user_nodes and personal_layers is not None:
+        raise ValueError("personal_layers: not supported with multi_user_nodes (the "
+                         "personalization mod keeps one user's layers per node)")
+    if multi_user_nodes and private_metrics:
+        raise ValueError("private_metrics: not supported with multi_user_nodes (a node "
+                         "would have to clip each of its users' values; nothing does yet)")
+    exact_metrics = exact_metrics or ("report" if private_metrics else "flower")
+    if exact_metrics not in ("flower", "report", "operator-only"):
+        raise ValueError("exact_metrics: 'flower' (the inner strategy's aggregate in Flower's "
+                         "result, as Flower's DP wrappers do), 'report' (operator report "
+                         "only) or 'operator-only' (also in Flower's result, prefixed), got "
+                         f"{exact_metrics!r}")
+    if exact_metrics == "flower" and private_metrics:
+        raise ValueError("exact_metrics='flower' with private_metrics: Flower's result would "
+                         "hold the exact and the noisy value under one name; use "
+                         "'operator-only' (the exact ones prefixed) or 'report'")
+    return exact_metrics
+

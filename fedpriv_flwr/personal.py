@@ -63,8 +63,8 @@ from flwr.common.constant import ErrorCode
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PERSONAL_CONFIG", "SCHEDULES", "STATE_KEY", "Phase", "personal_keys", "personal_phases",
-           "personalize", "state_file"]
+__all__ = ["PERSONAL_CONFIG", "SCHEDULES", "STATE_KEY", "Phase", "fit_personal", "personal_keys",
+           "personal_phases", "personalize", "state_file"]
 
 SCHEDULES = ("fedrep", "finetune")
 PERSONAL_CONFIG = "fedpriv-personal-layers"
@@ -411,3 +411,28 @@ def personal_phases(model: torch.nn.Module, context: Context) -> list[Phase]:
     if schedule == "fedrep":
         return [Phase("personal", personal, model), Phase("shared", shared, model)]
     return [Phase("all", names, model)]
+
+
+def fit_personal(model: torch.nn.Module, context: Context, data: object, steps: int = 100,
+                 lr: float = 1.0) -> str:
+    """One call before the handler's own training, and one before its test, instead of the
+    ``personal_phases`` loop: fits the personal head (one ``torch.nn.Linear``, with
+    ``Phase.fit_head``'s rule) where the schedule asks for it, and tells what the handler's own
+    training then trains. train + fedrep: the head is fitted on ``data``, then frozen
+    (``requires_grad`` off), so the training that follows updates the shared layers only ->
+    "shared"; train + finetune: nothing to do -> "all"; evaluate: the head is fitted (the
+    node's own on the current body, or the global one fine-tuned) -> "personal". The handler's
+    optimizer must be built after this call (or zero its gradients with ``set_to_none``)."""
+    phases = personal_phases(model, context)
+    if phases[0].name == "all":
+        return "all"
+    head = phases[0]
+    head.fit_head(data, steps, lr)
+    if len(phases) == 1:
+        return "personal"
+    frozen = set(head.trains)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return "shared"
+

@@ -23,12 +23,14 @@ class Resumable(Protocol):
 
     checkpoint_path: Path | None
     strategy: Strategy
-    plan: PrivatePlan
     accountant: Accountant
     clip: float
     releases: int
     offset: int
     rows: list[dict[str, Any]]
+
+    @property
+    def plan(self) -> PrivatePlan: ...
 
 
 def save_state(strategy: Resumable, r: int, arrays: ArrayRecord) -> None:

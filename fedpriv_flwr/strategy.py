@@ -38,11 +38,11 @@ from typing import Any, Callable
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType, log
-from flwr.serverapp import Grid
+from flwr.serverapp import Grid, PrivacyAccountant
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedpriv.privacy.accounting import mean_sensitivity
+from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, Accountant, mean_sensitivity
 from fedpriv.privacy.discrete import CryptoRandom
 from fedpriv.privacy.mechanisms import adapted_clip
 from fedpriv.randomness import server_generator
@@ -62,12 +62,14 @@ from fedpriv_flwr.agreement import (
     no_reply_reason,
     no_reply_summary,
     population_warning,
+    rejection_summary,
     schedule_mismatch,
     train_sampling_rate,
 )
-from fedpriv_flwr.checks import check_inner_strategy, personal_of
+from fedpriv_flwr.checks import check_inner_strategy, check_options, personal_of
+from fedpriv_flwr.dropin import feed_accountant, flower_arguments
 from fedpriv_flwr.grid import noisy_mean_on_grid
-from fedpriv_flwr.metrics import read_metrics
+from fedpriv_flwr.metrics import failed_evaluations, read_metrics
 from fedpriv_flwr.outputs import release_document, write_outputs
 from fedpriv_flwr.parity import FlowerDPView
 from fedpriv_flwr.plan import EVALUATE, ROUND, UNCLIPPED_PART, PrivatePlan, evaluate_rounds
@@ -99,12 +101,15 @@ class PrivateStrategy(FlowerDPView, Strategy):
     and ``resume``: continue a stopped run.
     """
 
-    def __init__(self, strategy: Strategy, *, num_users: int, num_rounds: int,
-                 epsilon: float | None = 1.0, delta: float = 1e-5, clip_norm: float = 1.0,
-                 noise_multiplier: float | None = None, sampling_rate: float | None = None,
+    def __init__(self, strategy: Strategy, noise_multiplier: float | None = None,
+                 clipping_norm: float | None = None, num_sampled_clients: int | None = None, *,
+                 accountant: PrivacyAccountant | None = None, num_users: int | None = None,
+                 num_rounds: int | None = None, epsilon: float | None = None,
+                 delta: float | None = None, clip_norm: float | None = None,
+                 sampling_rate: float | None = None,
                  clip_quantile: float | None = None, clip_lr: float = 0.2,
                  clip_count_share: float = 0.05, max_epsilon: float | None = None,
-                 relation: str = "add-remove", private_metrics: Mapping[str, float] | None = None,
+                 relation: str | None = None, private_metrics: Mapping[str, float] | None = None,
                  metrics_budget_fraction: float = 0.1,
                  evaluate_every: int | Sequence[int] | None = None,
                  personal_layers: str | None = None, multi_user_nodes: bool = False,
@@ -114,22 +119,13 @@ class PrivateStrategy(FlowerDPView, Strategy):
                  checkpoint_path: str | None = None, resume: bool = False) -> None:
         super().__init__()
         check_inner_strategy(strategy)
-        if multi_user_nodes and personal_layers is not None:
-            raise ValueError("personal_layers: not supported with multi_user_nodes (the "
-                             "personalization mod keeps one user's layers per node)")
-        if multi_user_nodes and private_metrics:
-            raise ValueError("private_metrics: not supported with multi_user_nodes (a node "
-                             "would have to clip each of its users' values; nothing does yet)")
-        exact_metrics = exact_metrics or ("report" if private_metrics else "flower")
-        if exact_metrics not in ("flower", "report", "operator-only"):
-            raise ValueError("exact_metrics: 'flower' (the inner strategy's aggregate in Flower's "
-                             "result, as Flower's DP wrappers do), 'report' (operator report "
-                             "only) or 'operator-only' (also in Flower's result, prefixed), got "
-                             f"{exact_metrics!r}")
-        if exact_metrics == "flower" and private_metrics:
-            raise ValueError("exact_metrics='flower' with private_metrics: Flower's result would "
-                             "hold the exact and the noisy value under one name; use "
-                             "'operator-only' (the exact ones prefixed) or 'report'")
+        given = flower_arguments(  # Flower's DP wrapper's arguments (fedpriv_flwr.dropin)
+            strategy, noise_multiplier=noise_multiplier, clipping_norm=clipping_norm,
+            num_sampled_clients=num_sampled_clients, accountant=accountant, num_users=num_users,
+            clip_norm=clip_norm, epsilon=epsilon, delta=delta, max_epsilon=max_epsilon,
+            relation=relation)
+        exact_metrics = check_options(multi_user_nodes, personal_layers, bool(private_metrics),
+                                      exact_metrics)
         sampling_rate = train_sampling_rate(strategy, sampling_rate, multi_user_nodes,
                                             secure_noise)
         check_evaluation(strategy, bool(private_metrics))
@@ -137,14 +133,19 @@ class PrivateStrategy(FlowerDPView, Strategy):
             log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
                 sampling_rate)
         self.strategy = strategy
-        self.plan = PrivatePlan(
-            num_users=num_users, num_rounds=num_rounds, epsilon=epsilon, delta=delta,
-            clip_norm=clip_norm, noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
-            clip_quantile=clip_quantile, clip_lr=clip_lr, clip_count_share=clip_count_share,
-            max_epsilon=max_epsilon, relation=relation, private_metrics=dict(
-                private_metrics or {}), metrics_budget_fraction=metrics_budget_fraction,
-            evaluate_rounds=evaluate_rounds(num_rounds, evaluate_every),
+        self._plan_args: dict[str, Any] = dict(
+            num_users=given.num_users, epsilon=given.epsilon, delta=given.delta,
+            clip_norm=given.clip_norm, noise_multiplier=noise_multiplier,
+            sampling_rate=sampling_rate, clip_quantile=clip_quantile, clip_lr=clip_lr,
+            clip_count_share=clip_count_share, max_epsilon=given.max_epsilon,
+            relation=given.relation, private_metrics=dict(private_metrics or {}),
+            metrics_budget_fraction=metrics_budget_fraction,
             user_sensitivity_factor=user_sensitivity_factor, secure_noise=secure_noise)
+        self._evaluate_every = evaluate_every
+        self._plan: PrivatePlan | None = None
+        if num_rounds is not None:  # else made by start(num_rounds=...), as Flower's wrapper
+            self._make_plan(num_rounds)
+        self.flower_accountant = accountant
         self.personal_pattern = personal_layers
         self._evaluate_every_set = evaluate_every is not None
         self.multi_user_nodes = multi_user_nodes
@@ -158,8 +159,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
         self.resume = resume
         if resume and self.checkpoint_path is None:
             raise ValueError("resume: needs a checkpoint_path")
-        self.clip = clip_norm
-        self.accountant = self.plan.accountant()
+        self.clip = given.clip_norm
+        self.accountant = Accountant(DISCRETE_ACCOUNTANT if secure_noise else "pld",
+                                     given.relation, given.delta)
         self.releases = 0  # index of the next noise stream
         self.offset = 0  # rounds done before this start (a resumed run)
         self.rows: list[dict[str, Any]] = []
@@ -171,20 +173,11 @@ class PrivateStrategy(FlowerDPView, Strategy):
         self._round_started = 0.0
         self._last_arrays: ArrayRecord | None = None
 
-    # ----- Flower's Strategy -----------------------------------------------------------------
-    def summary(self) -> None:
-        p = self.plan
-        log(INFO, "\t├──> fedpriv user-level DP (%s):", "integer-order RDP accounting, "
-            "discrete noise" if self.secure_noise else "PLD accounting")
-        log(INFO, "\t│\t├── target epsilon=%s delta=%g over %d rounds, projected epsilon=%.4f",
-            p.epsilon, p.delta, p.num_rounds, p.projected_epsilon)
-        log(INFO, "\t│\t├── noise multiplier(s) %s, clip %g%s, sampling rate %g",
-            {k: round(v, 4) for k, v in p.multipliers.items()}, p.clip_norm,
-            f" (adaptive to quantile {p.clip_quantile})" if p.clip_quantile else "",
-            p.sampling_rate)
-        log(INFO, "\t│\t└── private metrics: %s", dict(p.private_metrics) or "none")
-        self.strategy.summary()
+    def _make_plan(self, num_rounds: int) -> None:
+        self._plan = PrivatePlan(num_rounds=num_rounds, evaluate_rounds=evaluate_rounds(
+            num_rounds, self._evaluate_every), **self._plan_args)
 
+    # ----- Flower's Strategy -----------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         t0 = self._round_started = time.perf_counter()
@@ -230,6 +223,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
         # reported, never a reason to stop: the replies are the users' (module agreement)
         mismatch = schedule_mismatch(self.personal_pattern, sums.errors, dict(sums.rejected),
                                      sums.nodes)
+        if sums.rejected and sums.nodes:  # Flower's log: no node id, no value (agreement)
+            log(WARNING, "fedpriv: round %d: %d replies rejected (%s; reasons in the operator "
+                "report)", r, sum(sums.rejected.values()), rejection_summary(sums.rejected))
         clip_used = self.clip
         noisy = self._release_round(r, sums)
         new = self.layout.unflatten(self._current + noisy[0])
@@ -296,7 +292,8 @@ class PrivateStrategy(FlowerDPView, Strategy):
                                                                       "num-examples")))
         means = {n: exact[n] / counts[n] for n in exact}
         row: dict[str, Any] = {"round": r, "evaluated_nodes": answered,
-                               "rejected_evaluations": rejected, "exact_metrics": means}
+                               "rejected_evaluations": rejected, "exact_metrics": means,
+                               **failed_evaluations(r, replies, rejected, answered)}
         out: dict[str, float] = {}
         if self.plan.private_metrics:
             out.update(self._release_metrics(r, exact))
@@ -321,6 +318,11 @@ class PrivateStrategy(FlowerDPView, Strategy):
         """Flower's loop over the planned rounds (``num_rounds`` defaults to the plan's; more
         is refused before round 1), resumed from the checkpoint with ``resume``; prints the
         epsilon spent (the PLD accountant's) and where the two output files are."""
+        if self._plan is None:
+            if num_rounds is None:
+                raise ValueError("num_rounds: give it to start() or to PrivateStrategy (the "
+                                 "private plan is calibrated for a number of rounds)")
+            self._make_plan(num_rounds)
         total = self.plan.num_rounds if num_rounds is None else num_rounds
         if total > self.plan.num_rounds:
             raise ValueError(f"num_rounds: the privacy plan was calibrated for "
@@ -342,7 +344,8 @@ class PrivateStrategy(FlowerDPView, Strategy):
             log(INFO, text)  # Flower's log: what `flwr run --stream` and `flwr log` show
         warning = no_reply_summary(self.rows, self.mismatch)
         if warning:
-            log(ERROR if self.mismatch else WARNING, "fedpriv: %s", warning)
+            learned_nothing = "learned nothing" in warning
+            log(ERROR if self.mismatch or learned_nothing else WARNING, "fedpriv: %s", warning)
         if self.checkpoint_path is not None:
             self.checkpoint_path.unlink(missing_ok=True)
         return result
@@ -373,8 +376,6 @@ class PrivateStrategy(FlowerDPView, Strategy):
                                                buffer), self.clip)
             except RejectedReply as err:
                 sums.reject(str(err))
-                # Flower's log carries no node id or value: the reasons are in the operator report
-                log(WARNING, "fedpriv: a reply was rejected (reasons in the operator report)")
         return sums
 
     def _release_round(self, r: int, sums: RoundSum) -> list[np.ndarray]:
@@ -392,6 +393,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
             parts.append(part)
         spent = self.accountant.record(f"{ROUND} {r}", z, parts,
                                        sampling_rate=p.sampling_rate)
+        feed_accountant(self.flower_accountant, z, p.num_users, p.sampling_rate)
         self._guard(spent)
         if p.clip_quantile is not None:
             fraction = float(noisy[1][0]) + 0.5  # a post-processing of the noisy count

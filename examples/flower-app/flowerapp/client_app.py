@@ -3,14 +3,9 @@
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from torch.utils.data import DataLoader  # fedpriv
 
-from fedpriv_flwr.personal import personal_phases, personalize  # fedpriv
-from flowerapp.task import (
-    Net,
-    head_lr,  # fedpriv
-    load_data,
-)
+from fedpriv_flwr.personal import fit_personal, personalize  # fedpriv
+from flowerapp.task import Net, load_data
 from flowerapp.task import test as test_fn
 from flowerapp.task import train as train_fn
 
@@ -37,15 +32,14 @@ def train(msg: Message, context: Context):
     trainloader, _ = load_data(partition_id, num_partitions, batch_size, seed)
 
     # Call the training function
-    for phase in personal_phases(model, context):  # fedpriv: what each phase trains
-        with phase:  # fedpriv: the parameters the phase does not train are frozen
-            train_loss = train_fn(
-                model,
-                trainloader,
-                context.run_config["local-steps"],
-                msg.content["config"]["lr"],
-                device,
-            )
+    fit_personal(model, context, trainloader)  # fedpriv: fedrep fits and freezes the head first
+    train_loss = train_fn(
+        model,
+        trainloader,
+        context.run_config["local-steps"],
+        msg.content["config"]["lr"],
+        device,
+    )
 
     # Construct and return reply Message
     model_record = ArrayRecord(model.state_dict())
@@ -75,12 +69,8 @@ def evaluate(msg: Message, context: Context):
     seed = context.run_config["seed"]
     trainloader, valloader = load_data(partition_id, num_partitions, batch_size, seed)
 
-    # Fine-tune the head (fc3) on all of this node's training rows, the body frozen  # fedpriv
-    rows = DataLoader(trainloader.dataset, batch_size=len(trainloader.dataset))  # fedpriv
-    for phase in personal_phases(model, context):  # fedpriv: [personal]: the head only
-        with phase:  # fedpriv
-            lr = head_lr(model, rows, context.run_config["head-lr"])  # fedpriv
-            train_fn(model, rows, context.run_config["head-steps"], lr, device)  # fedpriv
+    steps, head_lr = context.run_config["head-steps"], context.run_config["head-lr"]  # fedpriv
+    fit_personal(model, context, trainloader, steps, head_lr)  # fedpriv: this node's head
 
     # Call the evaluation function
     eval_loss, eval_acc = test_fn(model, valloader, device)

@@ -98,11 +98,3 @@ def test(net, testloader, device):
             correct += (torch.max(outputs.data, 1)[1] == labels).sum().item()
     rows = max(len(testloader.dataset), 1)
     return loss / rows, correct / rows
-
-
-def head_lr(net, loader, scale=1.0):  # fedpriv: the step size of the head fine-tuning,
-    # scale / L with L = mean ||features||^2 / 2 + 1/2, a bound on the smoothness of the  # fedpriv
-    # mean cross-entropy in the head: a step of at most 1/L never diverges  # fedpriv
-    with torch.no_grad():  # fedpriv
-        sq = torch.cat([net.features(x).pow(2).sum(1) for x, _ in loader]).mean()  # fedpriv
-    return scale / (0.5 * float(sq) + 0.5)  # fedpriv

@@ -1,0 +1,86 @@
+"""``PrivateStrategy`` built with the arguments of Flower's DP wrappers.
+
+Where an app built ``DifferentialPrivacyServerSideFixedClipping(strategy, noise_multiplier,
+clipping_norm, num_sampled_clients, accountant=...)``, the same call with ``PrivateStrategy``
+runs: ``clipping_norm`` is the clip, ``num_sampled_clients`` the population (one user per node,
+every node each round, as Flower's fixed-clipping wrapper has it), the accountant's
+``PrivacyConfig`` gives delta, the population, ``max_epsilon`` and the neighbouring relation,
+and without ``num_rounds`` the plan is made when ``start(num_rounds=...)`` is called. The given
+accountant also sees each training release (a ``GaussianPrivacyEvent`` of the round's noise
+multiplier), so its own ``get_privacy_spent()`` keeps working; the epsilon ``PrivateStrategy``
+prints and enforces is fedpriv's (PLD). A setting given two ways that disagree is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyAccountant
+from flwr.serverapp.strategy import Strategy
+
+__all__ = ["Resolved", "feed_accountant", "flower_arguments"]
+
+_RELATIONS = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add-remove",
+              NeighboringRelation.REPLACE_ONE: "replace-one"}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    num_users: int
+    clip_norm: float
+    epsilon: float | None
+    delta: float
+    max_epsilon: float | None
+    relation: str
+
+
+def _one(name: str, flower_name: str, ours: Any, theirs: Any) -> Any:
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ValueError(f"{name}={ours!r} and {flower_name}={theirs!r} disagree: give one")
+    return ours if ours is not None else theirs
+
+
+def flower_arguments(strategy: Strategy, *, noise_multiplier: float | None,
+                     clipping_norm: float | None, num_sampled_clients: int | None,
+                     accountant: PrivacyAccountant | None, num_users: int | None,
+                     clip_norm: float | None, epsilon: float | None, delta: float | None,
+                     max_epsilon: float | None, relation: str | None) -> Resolved:
+    """fedpriv's settings from its own arguments and Flower's (module docstring)."""
+    config = accountant.config if accountant is not None else None
+    if num_sampled_clients is not None:
+        fraction = getattr(strategy, "fraction_train", 1.0)
+        if isinstance(fraction, (int, float)) and fraction < 1 and num_users is None:
+            raise ValueError(
+                f"num_sampled_clients={num_sampled_clients} with {type(strategy).__name__}"
+                f"(fraction_train={fraction:g}): that is a per-round count; PrivateStrategy "
+                "samples each node with probability fraction_train and needs the population: "
+                "give num_users (the number of nodes, one user each)")
+    users = _one("num_users", "num_sampled_clients", num_users, num_sampled_clients)
+    users = _one("num_users", "accountant's population_size", users,
+                 config.population_size if config else None)
+    if users is None:
+        raise ValueError("num_users: the population the guarantee is stated for (with one user "
+                         "per node: the number of SuperNodes); Flower's num_sampled_clients or "
+                         "an accountant's population_size also give it")
+    theirs = _RELATIONS[config.neighboring_relation] if config else None
+    return Resolved(
+        num_users=int(users),
+        clip_norm=float(_one("clip_norm", "clipping_norm", clip_norm, clipping_norm) or 1.0),
+        epsilon=epsilon if epsilon is not None or noise_multiplier is not None else 1.0,
+        delta=float(_one("delta", "accountant's target_delta", delta,
+                         config.target_delta if config else None) or 1e-5),
+        max_epsilon=_one("max_epsilon", "accountant's max_epsilon", max_epsilon,
+                         config.max_epsilon if config else None),
+        relation=_one("relation", "accountant's neighboring_relation", relation, theirs)
+        or "add-remove")
+
+
+def feed_accountant(accountant: PrivacyAccountant | None, multiplier: float, num_users: int,
+                    sampling_rate: float) -> None:
+    """The user's Flower accountant sees the round's release (its own accounting method)."""
+    if accountant is None:
+        return
+    size = max(1, min(num_users, round(sampling_rate * num_users)))
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=multiplier, sample_size=size,
+                                            population_size=num_users))
