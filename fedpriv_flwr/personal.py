@@ -7,10 +7,12 @@ Two pieces, used together::
     @app.train()
     def train(msg, context):
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        for phase in personal_phases(model, context):
-            with phase:  # freezes the parameters this phase does not train
-                fit(model, epochs=1 if phase.name == "personal" else local_epochs)
+        fit_personal(model, context, trainloader)  # fedrep: the head fitted, then frozen
+        fit(model, epochs=local_epochs)  # the handler's own training: the body
         return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), ...}), reply_to=msg)
+
+(``fit_personal`` fits a head that is one ``torch.nn.Linear``; for other personal layers, loop
+over ``personal_phases(model, context)``: each phase freezes what it does not train.)
 
 ``personalize(pattern, schedule)`` is a client mod. The layers whose names match ``pattern``
 (``re.search``) are the node's *personal* layers, the others are *shared*.

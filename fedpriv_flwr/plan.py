@@ -217,7 +217,8 @@ class PrivatePlan:
                 "private_metrics": dict(self.private_metrics),
                 "metrics_budget_fraction": (self.metrics_budget_fraction
                                             if self.private_metrics else None),
-                "evaluate_rounds": list(self.evaluate_rounds),
+                # None: the nodes evaluate whenever the inner strategy has them evaluate
+                "evaluate_rounds": list(self.evaluate_rounds) or None,
                 "user_sensitivity_factor": self.user_sensitivity_factor,
                 "projected_epsilon": self.projected_epsilon}
 

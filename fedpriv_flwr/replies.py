@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Message, MetricRecord
 
-from fedpriv_flwr.aggregate import RejectedReply
+from fedpriv_flwr.aggregate import USERS_KEY, RejectedReply
 from fedpriv_flwr.metrics import finite
 
 
@@ -32,3 +32,12 @@ def count_metric(metrics: MetricRecord, key: str, default: int = 0) -> int:
             or not finite(value) or value != int(value)):
         raise RejectedReply(f"{key} must be a whole number, got {value!r}")
     return int(value)
+
+
+def users_of(metrics: MetricRecord, num_users: int) -> int:
+    """A multi-user node's count of users (at most the declared population)."""
+    users = count_metric(metrics, USERS_KEY, 1)
+    if not 0 <= users <= num_users:
+        raise RejectedReply(f"claims {users} users (0 to num_users)")
+    return users
+

@@ -5,6 +5,9 @@ Wrap the strategy of an existing ``ServerApp``::
     strategy = PrivateStrategy(FedAvg(), num_users=2000, num_rounds=5, epsilon=1.0, delta=1e-5)
     result = strategy.start(grid=grid, initial_arrays=arrays)
 
+or with the arguments of Flower's ``DifferentialPrivacyServerSideFixedClipping``
+(``noise_multiplier, clipping_norm, num_sampled_clients, accountant=``; ``fedpriv_flwr.dropin``).
+
 Each round the wrapper Poisson-samples the nodes (one node = one user unless ``multi_user_nodes``;
 the rate is ``sampling_rate`` or the inner strategy's ``fraction_train``:
 ``fedpriv_flwr.agreement``, which refuses settings it cannot keep before round 1 and reports the
@@ -73,7 +76,7 @@ from fedpriv_flwr.metrics import failed_evaluations, read_metrics
 from fedpriv_flwr.outputs import release_document, write_outputs
 from fedpriv_flwr.parity import FlowerDPView
 from fedpriv_flwr.plan import EVALUATE, ROUND, UNCLIPPED_PART, PrivatePlan, evaluate_rounds
-from fedpriv_flwr.replies import count_metric, reply_arrays
+from fedpriv_flwr.replies import count_metric, reply_arrays, users_of
 from fedpriv_flwr.resume import load_state, save_state
 
 CLIP_CONFIG = "fedpriv-clip-norm"  # sent to the nodes each round (multi-user nodes clip with it)
@@ -174,8 +177,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
         self._last_arrays: ArrayRecord | None = None
 
     def _make_plan(self, num_rounds: int) -> None:
+        planned = self._evaluate_every is not None or self._plan_args["private_metrics"]
         self._plan = PrivatePlan(num_rounds=num_rounds, evaluate_rounds=evaluate_rounds(
-            num_rounds, self._evaluate_every), **self._plan_args)
+            num_rounds, self._evaluate_every) if planned else (), **self._plan_args)
 
     # ----- Flower's Strategy -----------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -366,7 +370,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
                         raise RejectedReply("a multi-user reply, but multi_user_nodes=False")
                     total = reply_update(layout, np.zeros(layout.size), returned, self.personal,
                                          buffer)
-                    sums.add_node_sum(total, self._users_of(metrics),
+                    sums.add_node_sum(total, users_of(metrics, self.plan.num_users),
                                       count_metric(metrics, UNCLIPPED_KEY), self.clip,
                                       sum_clipped=self.plan.user_sensitivity_factor == 2.0)
                 else:
@@ -460,13 +464,6 @@ class PrivateStrategy(FlowerDPView, Strategy):
             self.layout = Layout.of({k: v.numpy() for k, v in arrays.items()}, released)
         self.current_arrays = arrays
         self._current = self.layout.flatten({k: arrays[k].numpy() for k in self.layout.keys})
-
-    def _users_of(self, metrics: MetricRecord) -> int:
-        """A multi-user node's count of users (at most the declared population)."""
-        users = count_metric(metrics, USERS_KEY, 1)
-        if not 0 <= users <= self.plan.num_users:
-            raise RejectedReply(f"claims {users} users (0 to num_users)")
-        return users
 
     def _evaluation_row(self, row: dict[str, Any]) -> None:
         for existing in self.rows:

@@ -179,3 +179,15 @@ def test_no_arrays_are_lost_when_the_model_keys_are_unusual(tmp_path):
     s = PrivateStrategy(FedAvg(), 3.0, 1.0, 8, results_path=str(tmp_path / "r.json"))
     s.start(grid=FakeGrid(8, _move), initial_arrays=init, num_rounds=1)
     assert set(s.current_arrays.keys()) == {"classifier.weight", "classifier.bias"}
+
+
+def test_the_plan_names_evaluation_rounds_only_where_fedpriv_chooses_them(tmp_path):
+    """Without ``evaluate_every`` or private metrics the nodes evaluate whenever the inner
+    strategy has them evaluate: the public plan says None, not the last round."""
+    def plan(**kw):
+        return PrivateStrategy(FedAvg(), num_users=8, num_rounds=3, delta=1e-3, **kw,
+                               results_path=str(tmp_path / "r.json")).plan.public()
+
+    assert plan()["evaluate_rounds"] is None
+    assert plan(evaluate_every=3)["evaluate_rounds"] == [3]
+    assert plan(private_metrics={"acc": 1.0}, exact_metrics="report")["evaluate_rounds"] == [3]
