@@ -14,12 +14,19 @@ prints and enforces is fedpriv's (PLD). A setting given two ways that disagree i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from logging import WARNING
 from typing import Any
 
-from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyAccountant
+from flwr.common import log
+from flwr.serverapp import (
+    GaussianPrivacyEvent,
+    NeighboringRelation,
+    PrivacyAccountant,
+    SamplingMethod,
+)
 from flwr.serverapp.strategy import Strategy
 
-__all__ = ["Resolved", "feed_accountant", "flower_arguments"]
+__all__ = ["Resolved", "feed_accountant", "flower_arguments", "sampling_note"]
 
 _RELATIONS = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add-remove",
               NeighboringRelation.REPLACE_ONE: "replace-one"}
@@ -50,7 +57,7 @@ def flower_arguments(strategy: Strategy, *, noise_multiplier: float | None,
     config = accountant.config if accountant is not None else None
     if num_sampled_clients is not None:
         fraction = getattr(strategy, "fraction_train", 1.0)
-        if isinstance(fraction, (int, float)) and fraction < 1 and num_users is None:
+        if isinstance(fraction, (int, float)) and 0 < fraction < 1 and num_users is None:
             raise ValueError(
                 f"num_sampled_clients={num_sampled_clients} with {type(strategy).__name__}"
                 f"(fraction_train={fraction:g}): that is a per-round count; PrivateStrategy "
@@ -84,3 +91,19 @@ def feed_accountant(accountant: PrivacyAccountant | None, multiplier: float, num
     size = max(1, min(num_users, round(sampling_rate * num_users)))
     accountant.compose(GaussianPrivacyEvent(noise_multiplier=multiplier, sample_size=size,
                                             population_size=num_users))
+
+
+def sampling_note(accountant: PrivacyAccountant | None, sampling_rate: float) -> None:
+    """Say where the accountant's ``sampling_method`` is not the sampling the run does: the
+    epsilon fedpriv prints is for the run's (Poisson at the inner ``fraction_train``, or none)."""
+    if accountant is None:
+        return
+    method = accountant.config.sampling_method
+    if (method == SamplingMethod.NO_AMPLIFICATION) == (sampling_rate >= 1):
+        return
+    log(WARNING, "fedpriv: the accountant says sampling_method=%s, but the nodes are %s: the "
+        "epsilon PrivateStrategy prints and enforces is for the latter (the accountant you "
+        "passed keeps its own method)", method.value,
+        f"Poisson-sampled at rate {sampling_rate:g} (fraction_train)" if sampling_rate < 1
+        else "all trained every round (no amplification)")
+

@@ -5,6 +5,7 @@ how many replies were unreadable."""
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from logging import WARNING
@@ -50,11 +51,49 @@ def failed_evaluations(server_round: int, replies: list[Message], unreadable: in
                        answered: int) -> dict[str, Any]:
     """The operator report's count of evaluation replies that failed on their node (and why),
     said in Flower's log as Flower's own flow says it ("Received 0 results and 10 failures")."""
-    failed = Counter(str(m.error.reason)[:300] for m in replies if m.has_error())
+    failed = Counter(error_reason(m) for m in replies if m.has_error())
     if failed or unreadable:
         log(WARNING, "fedpriv: round %d: %d of %d evaluation replies failed, %d unreadable%s "
             "(reasons in the operator report)", server_round, sum(failed.values()),
             len(replies), unreadable, "; no node's metrics arrived" if not answered else "")
     return {"failed_evaluations": sum(failed.values()),
             "failed_evaluation_reasons": dict(failed)}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_PIDS = re.compile(r"\b(pid|ip|Worker ID|Node ID|actor_id|at 0x)=?[:\s]*[0-9a-f.]+", re.I)
+
+
+def error_reason(reply: Message, limit: int = 300) -> str:
+    """A failed reply's reason for the operator report: without colour codes or process ids
+    (so one failure on every node counts as one reason), and, where it is long (a traceback
+    from Flower's simulation), its start and its end, which names the exception."""
+    text = _PIDS.sub(r"\1=...", _ANSI.sub("", str(reply.error.reason))).strip()
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 3]} ... {text[-(limit - limit // 3 - 5):]}"
+
+
+def evaluation_summary(rows: list[dict[str, Any]]) -> str | None:
+    """The run's closing line when evaluations failed on their nodes (None if none did)."""
+    failed = [row for row in rows if row.get("failed_evaluations")]
+    if not failed:
+        return None
+    empty = [row["round"] for row in failed if not row.get("evaluated_nodes")]
+    reasons: Counter[str] = Counter()
+    for row in failed:
+        reasons.update(row.get("failed_evaluation_reasons") or {})
+    reason, count = reasons.most_common(1)[0]
+    last = reason.strip().splitlines()[-1][-160:] if reason.strip() else "?"
+    return (f"evaluation replies failed in {len(failed)} of {len(rows)} rounds ({len(empty)} "
+            f"with no node's metrics); commonest reason ({count} replies): {last}")
+
+
+def merge_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
+    """Add an evaluation row to the operator report's rows (into its round's, if there)."""
+    for existing in rows:
+        if existing["round"] == row["round"]:
+            existing.update({k: v for k, v in row.items() if k != "round"})
+            return
+    rows.append(row)
 

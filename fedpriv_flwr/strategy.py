@@ -70,9 +70,15 @@ from fedpriv_flwr.agreement import (
     train_sampling_rate,
 )
 from fedpriv_flwr.checks import check_inner_strategy, check_options, personal_of
-from fedpriv_flwr.dropin import feed_accountant, flower_arguments
+from fedpriv_flwr.dropin import feed_accountant, flower_arguments, sampling_note
 from fedpriv_flwr.grid import noisy_mean_on_grid
-from fedpriv_flwr.metrics import failed_evaluations, read_metrics
+from fedpriv_flwr.metrics import (
+    error_reason,
+    evaluation_summary,
+    failed_evaluations,
+    merge_row,
+    read_metrics,
+)
 from fedpriv_flwr.outputs import release_document, write_outputs
 from fedpriv_flwr.parity import FlowerDPView
 from fedpriv_flwr.plan import EVALUATE, ROUND, UNCLIPPED_PART, PrivatePlan, evaluate_rounds
@@ -132,6 +138,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
         sampling_rate = train_sampling_rate(strategy, sampling_rate, multi_user_nodes,
                                             secure_noise)
         check_evaluation(strategy, bool(private_metrics))
+        sampling_note(accountant, sampling_rate)
         if multi_user_nodes and sampling_rate < 1:
             log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
                 sampling_rate)
@@ -302,7 +309,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
         if self.plan.private_metrics:
             out.update(self._release_metrics(r, exact))
             row["private_metrics"] = dict(out)
-        self._evaluation_row(row)
+        merge_row(self.rows, row)
         if self.plan.private_metrics and self._last_arrays is not None:
             # the evaluation release is in the checkpoint before it leaves the server, so a
             # resumed run counts it (and never reuses its noise stream)
@@ -350,6 +357,8 @@ class PrivateStrategy(FlowerDPView, Strategy):
         if warning:
             learned_nothing = "learned nothing" in warning
             log(ERROR if self.mismatch or learned_nothing else WARNING, "fedpriv: %s", warning)
+        if failed := evaluation_summary(self.rows):
+            log(WARNING, "fedpriv: %s", failed)
         if self.checkpoint_path is not None:
             self.checkpoint_path.unlink(missing_ok=True)
         return result
@@ -361,7 +370,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
         for reply in replies:
             if reply.has_error():
                 sums.failed += 1
-                sums.errors.append(str(reply.error.reason)[:300])
+                sums.errors.append(error_reason(reply))
                 continue
             try:
                 returned, metrics = reply_arrays(reply)
@@ -464,13 +473,6 @@ class PrivateStrategy(FlowerDPView, Strategy):
             self.layout = Layout.of({k: v.numpy() for k, v in arrays.items()}, released)
         self.current_arrays = arrays
         self._current = self.layout.flatten({k: arrays[k].numpy() for k in self.layout.keys})
-
-    def _evaluation_row(self, row: dict[str, Any]) -> None:
-        for existing in self.rows:
-            if existing["round"] == row["round"]:
-                existing.update({k: v for k, v in row.items() if k != "round"})
-                return
-        self.rows.append(row)
 
     def operator_report(self) -> dict[str, Any]:
         return {"strategy": type(self.strategy).__name__, "plan": self.plan.public(),

@@ -70,9 +70,18 @@ def test_a_setting_given_two_ways_that_disagree_is_refused(tmp_path, kw, words):
                         **kw)
 
 
-def test_a_per_round_count_under_sampling_and_no_rounds_at_all_are_refused(tmp_path):
+def test_a_per_round_count_under_sampling_and_no_rounds_at_all_are_refused(tmp_path, caplog):
     with pytest.raises(ValueError, match="per-round count"):
         PrivateStrategy(FedAvg(fraction_train=0.5), 2.0, 1.0, 10)
+    with pytest.raises(ValueError, match="fraction_train") as zero:
+        PrivateStrategy(FedAvg(fraction_train=0.0), 2.0, 1.0, 10)
+    assert "per-round count" not in str(zero.value)  # the setting that is wrong is named
+    # the population given, Flower's accountant saying no amplification: the run's sampling
+    # (Poisson at fraction_train) is what fedpriv accounts, and the log says so
+    caplog.set_level(logging.WARNING)
+    PrivateStrategy(FedAvg(fraction_train=0.5), 2.0, 1.0, accountant=RdpAccountant(_config()),
+                    results_path=str(tmp_path / "r.json"))
+    assert "sampling_method=no-amplification" in caplog.text and "rate 0.5" in caplog.text
     s = PrivateStrategy(FedAvg(), 2.0, 1.0, 20, results_path=str(tmp_path / "r.json"))
     with pytest.raises(ValueError, match="num_rounds: give it to start"):
         s.start(grid=FakeGrid(20, _move), initial_arrays=_init())
@@ -152,12 +161,17 @@ def test_replies_that_miss_a_key_are_said_as_such_not_as_a_schedule(tmp_path, ca
 def test_evaluations_that_fail_on_their_nodes_are_counted_and_said(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
 
+    # a failure as Flower's simulation reports it: colour codes, a process id, a traceback
+    reason = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::"
+              "ClientAppActor.run()\x1b[39m (pid={pid}, ip=127.0.0.1)\n" + "  File x\n" * 60
+              + "RuntimeError: evaluate raised'>")
+
     class FailingEvaluations(FakeGrid):
         def send_and_receive(self, messages, *, timeout=None):
             messages = list(messages)
             if messages and messages[0].metadata.message_type == "evaluate":
-                return [Message(Error(code=0, reason="evaluate raised"), reply_to=m)
-                        for m in messages]
+                return [Message(Error(code=0, reason=reason.format(pid=1000 + i % 2)),
+                                reply_to=m) for i, m in enumerate(messages)]
             return super().send_and_receive(messages, timeout=timeout)
 
     s = PrivateStrategy(FedAvg(), num_users=8, num_rounds=2, delta=1e-3,
@@ -167,7 +181,12 @@ def test_evaluations_that_fail_on_their_nodes_are_counted_and_said(tmp_path, cap
     assert "no node's metrics arrived" in caplog.text
     row = json.loads((tmp_path / "r.json").read_text())["rounds"][0]
     assert row["failed_evaluations"] == 8
-    assert row["failed_evaluation_reasons"] == {"evaluate raised": 8}
+    [(kept, n)] = row["failed_evaluation_reasons"].items()  # one reason, whatever the process
+    assert n == 8 and kept.endswith("RuntimeError: evaluate raised'>") and "\x1b" not in kept
+    assert len(kept) <= 300 and "pid=..." in kept
+    closing = caplog.records[-1].getMessage()
+    assert "evaluation replies failed in 2 of 2 rounds (2 with no node's metrics)" in closing
+    assert "RuntimeError: evaluate raised" in closing
     release = (tmp_path / "r.release.json").read_text()
     assert "failed" not in release and "evaluate raised" not in release
 
