@@ -55,7 +55,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedpriv_flwr import PldAccountant, PrivateStrategy, calibrate_noise_multiplier
 from fedpriv_flwr.heads import fit_head
-from fedpriv_flwr.personal import personal_phases, personalize
+from fedpriv_flwr.personal import fit_personal, personalize
 
 VARIANTS = ("flower-rdp", "flower-pld", "fedpriv-finetune", "fedpriv-fedrep", "local")
 PATTERN = r"^fc3\."
@@ -83,18 +83,9 @@ def client_app(variant: str, s: dict[str, Any]) -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         model = _model(msg)
         trainloader, _ = _data(context, s)
-        loss = 0.0
-        if schedule:
-            for phase in personal_phases(model, context):
-                with phase:
-                    if phase.name == "personal":
-                        phase.fit_head(trainloader, steps=s["head_steps"])
-                    else:
-                        loss = train_fn(model, trainloader, s["local_steps"],
-                                        msg.content["config"]["lr"], DEVICE)
-        else:
-            loss = train_fn(model, trainloader, s["local_steps"], msg.content["config"]["lr"],
-                            DEVICE)
+        if schedule:  # fedrep: the node's head fitted, then frozen; finetune: nothing
+            fit_personal(model, context, trainloader, steps=s["head_steps"])
+        loss = train_fn(model, trainloader, s["local_steps"], msg.content["config"]["lr"], DEVICE)
         # every user weighs the same in a user-level DP mean (Flower's wrapper with an
         # accountant refuses unequal weights; PrivateStrategy ignores them)
         metrics = MetricRecord({"train_loss": loss, "num-examples": 1})
@@ -106,9 +97,7 @@ def client_app(variant: str, s: dict[str, Any]) -> ClientApp:
         model = _model(msg)
         trainloader, testloader = _data(context, s)
         if schedule:
-            for phase in personal_phases(model, context):
-                with phase:
-                    phase.fit_head(trainloader, steps=s["head_steps"])
+            fit_personal(model, context, trainloader, steps=s["head_steps"])
         else:
             fit_head(model, HEAD, trainloader, steps=s["head_steps"])
         loss, acc = test_fn(model, testloader, DEVICE)

@@ -18,7 +18,7 @@ what the nodes' replies show is reported, never a reason to stop (a reply is a u
   (``fedpriv_flwr.personal.personalize``) refuses a message whose pattern is not its own
   (``fedrep``: the same pattern; ``finetune``: none) with an error reply whose reason starts with
   ``SCHEDULE_MISMATCH``, before any training, and the server refuses replies that carry the
-  personal layers or miss the shared ones. A round in which every node that answered disagrees
+  personal layers. A round in which every node that answered disagrees
   is reported (``schedule_mismatch``: Flower's log at ERROR, the operator report, the run's
   closing line) but not stopped: the replies are the users', and a stop that one user's reply
   could cause (the only node of a small Poisson cohort) would tell that user's presence.
@@ -49,10 +49,11 @@ SCHEDULE_MISMATCH = "personalize: schedule mismatch"
 PROTOCOL_REJECTIONS = ("carries personal layers",)
 """Reasons (``RoundSum.rejected``) of replies whose keys disagree with the server's pattern (a
 reply that misses keys is a handler's bug as often as a schedule's: said as it is, below)."""
-STRUCTURAL = ("carries personal layers", "misses released keys", "has keys the server did not",
-              "key ", "holds ")
-"""Rejection reasons about the reply's structure (keys, shapes, dtypes, records): the model's,
-no user's value, so Flower's log may say them; the others are in the operator report only."""
+STRUCTURAL = ("carries personal layers", "misses released keys", "key ", "holds an undecodable")
+"""Rejection reasons about the reply's structure that name only the server's own keys (missing,
+personal, of the wrong shape or dtype) or a decoding failure: no user's value and no name a node
+chose, so Flower's log may say them; the others (non-finite values, norms, counts, keys the
+server did not send) are in the operator report only."""
 
 
 def _fedavg_default(name: str) -> object:
@@ -133,12 +134,9 @@ def schedule_mismatch(pattern: str | None, failed_reasons: list[str],
     server = f"personal_layers={pattern!r}" if pattern else "no personal_layers"
     if mod:
         why = mod[0][len("personalize: "):]
-    elif any(r.startswith("carries personal layers") for r in keys):
+    else:  # PROTOCOL_REJECTIONS: the replies carry the server's personal layers
         why = (f"the nodes' replies carry the personal layers {pattern!r}: their ClientApp "
                "has no personalize(...) mod, or one with schedule='finetune'")
-    else:
-        why = ("the nodes' replies miss layers the server sent: their ClientApp keeps layers "
-               "personal (personalize(..., schedule='fedrep')) that the server does not know")
     return (f"every reply disagrees with the server on the personal layers ({why}); the server "
             f"has {server}. Give PrivateStrategy(personal_layers=...) the pattern of the client "
             "mod personalize(pattern, schedule='fedrep'), or none with schedule='finetune'")

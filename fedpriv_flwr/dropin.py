@@ -13,6 +13,7 @@ prints and enforces is fedpriv's (PLD). A setting given two ways that disagree i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
@@ -26,15 +27,24 @@ from flwr.serverapp import (
 )
 from flwr.serverapp.strategy import Strategy
 
-__all__ = ["Resolved", "feed_accountant", "flower_arguments", "sampling_note"]
+__all__ = ["DEFAULT_EPSILON", "Resolved", "feed_accountant", "flower_arguments", "note_no_ceiling",
+           "sampling_note"]
 
 _RELATIONS = {NeighboringRelation.ADD_OR_REMOVE_ONE: "add-remove",
               NeighboringRelation.REPLACE_ONE: "replace-one"}
 
 
+class _Default(float):
+    """The type of ``DEFAULT_EPSILON``: 1.0, told apart from a 1.0 the caller gave."""
+
+
+DEFAULT_EPSILON: float = _Default(1.0)
+"""``PrivateStrategy``'s default ``epsilon``: the target 1.0, or none in Flower's form."""
+
+
 @dataclass(frozen=True)
 class Resolved:
-    num_users: int
+    num_users: Any  # checked by the plan (a positive integer)
     clip_norm: float
     epsilon: float | None
     delta: float
@@ -62,7 +72,7 @@ def flower_arguments(strategy: Strategy, *, noise_multiplier: float | None,
                 f"num_sampled_clients={num_sampled_clients} with {type(strategy).__name__}"
                 f"(fraction_train={fraction:g}): that is a per-round count; PrivateStrategy "
                 "samples each node with probability fraction_train and needs the population: "
-                "give num_users (the number of nodes, one user each)")
+                "replace num_sampled_clients by num_users (the number of nodes, one user each)")
     users = _one("num_users", "num_sampled_clients", num_users, num_sampled_clients)
     users = _one("num_users", "accountant's population_size", users,
                  config.population_size if config else None)
@@ -71,16 +81,21 @@ def flower_arguments(strategy: Strategy, *, noise_multiplier: float | None,
                          "per node: the number of SuperNodes); Flower's num_sampled_clients or "
                          "an accountant's population_size also give it")
     theirs = _RELATIONS[config.neighboring_relation] if config else None
+    clip = _one("clip_norm", "clipping_norm", clip_norm, clipping_norm)
+    target = _one("delta", "accountant's target_delta", delta,
+                  config.target_delta if config else None)
+    relation = _one("relation", "accountant's neighboring_relation", relation, theirs)
+    # Flower's form (a given z, no target) has no epsilon: it spends what z spends, up to
+    # max_epsilon; fedpriv's own keywords keep their target of 1.0 (a ceiling for a given z)
+    flower_form = any(v is not None for v in (clipping_norm, num_sampled_clients, accountant))
+    if epsilon is DEFAULT_EPSILON:  # not given: explicit values (None included) are kept
+        epsilon = None if noise_multiplier is not None and flower_form else 1.0
     return Resolved(
-        num_users=int(users),
-        clip_norm=float(_one("clip_norm", "clipping_norm", clip_norm, clipping_norm) or 1.0),
-        epsilon=epsilon if epsilon is not None or noise_multiplier is not None else 1.0,
-        delta=float(_one("delta", "accountant's target_delta", delta,
-                         config.target_delta if config else None) or 1e-5),
+        num_users=users, clip_norm=1.0 if clip is None else clip, epsilon=epsilon,
+        delta=1e-5 if target is None else target,
         max_epsilon=_one("max_epsilon", "accountant's max_epsilon", max_epsilon,
                          config.max_epsilon if config else None),
-        relation=_one("relation", "accountant's neighboring_relation", relation, theirs)
-        or "add-remove")
+        relation="add-remove" if relation is None else relation)
 
 
 def feed_accountant(accountant: PrivacyAccountant | None, multiplier: float, num_users: int,
@@ -88,7 +103,7 @@ def feed_accountant(accountant: PrivacyAccountant | None, multiplier: float, num
     """The user's Flower accountant sees the round's release (its own accounting method)."""
     if accountant is None:
         return
-    size = max(1, min(num_users, round(sampling_rate * num_users)))
+    size = max(1, min(num_users, math.ceil(sampling_rate * num_users)))  # never below q N
     accountant.compose(GaussianPrivacyEvent(noise_multiplier=multiplier, sample_size=size,
                                             population_size=num_users))
 
@@ -99,11 +114,20 @@ def sampling_note(accountant: PrivacyAccountant | None, sampling_rate: float) ->
     if accountant is None:
         return
     method = accountant.config.sampling_method
-    if (method == SamplingMethod.NO_AMPLIFICATION) == (sampling_rate >= 1):
+    run = SamplingMethod.POISSON if sampling_rate < 1 else SamplingMethod.NO_AMPLIFICATION
+    if method == run:
         return
     log(WARNING, "fedpriv: the accountant says sampling_method=%s, but the nodes are %s: the "
         "epsilon PrivateStrategy prints and enforces is for the latter (the accountant you "
         "passed keeps its own method)", method.value,
         f"Poisson-sampled at rate {sampling_rate:g} (fraction_train)" if sampling_rate < 1
         else "all trained every round (no amplification)")
+
+
+def note_no_ceiling(epsilon: float | None, max_epsilon: float | None, projected: float) -> None:
+    """A given noise multiplier with neither a target nor ``max_epsilon``: said before round 1."""
+    if epsilon is None and max_epsilon is None:
+        log(WARNING, "fedpriv: noise_multiplier given without epsilon or max_epsilon: the planned "
+            "rounds will spend epsilon = %.4f (PLD); pass max_epsilon (or the accountant's) to "
+            "refuse more", projected)
 

@@ -61,14 +61,15 @@ def failed_evaluations(server_round: int, replies: list[Message], unreadable: in
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_PIDS = re.compile(r"\b(pid|ip|Worker ID|Node ID|actor_id|at 0x)=?[:\s]*[0-9a-f.]+", re.I)
+_PIDS = re.compile(r"\b(pid=|ip=|actor_id=|at 0x)[0-9a-f.]+\b", re.I)
+_EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Interrupt|Exit))\b")
 
 
 def error_reason(reply: Message, limit: int = 300) -> str:
     """A failed reply's reason for the operator report: without colour codes or process ids
     (so one failure on every node counts as one reason), and, where it is long (a traceback
     from Flower's simulation), its start and its end, which names the exception."""
-    text = _PIDS.sub(r"\1=...", _ANSI.sub("", str(reply.error.reason))).strip()
+    text = _PIDS.sub(r"\1...", _ANSI.sub("", str(reply.error.reason))).strip()
     if len(text) <= limit:
         return text
     return f"{text[:limit // 3]} ... {text[-(limit - limit // 3 - 5):]}"
@@ -84,9 +85,10 @@ def evaluation_summary(rows: list[dict[str, Any]]) -> str | None:
     for row in failed:
         reasons.update(row.get("failed_evaluation_reasons") or {})
     reason, count = reasons.most_common(1)[0]
-    last = reason.strip().splitlines()[-1][-160:] if reason.strip() else "?"
+    kinds = _EXCEPTION.findall(reason)  # the type only: a node's message stays in the report
     return (f"evaluation replies failed in {len(failed)} of {len(rows)} rounds ({len(empty)} "
-            f"with no node's metrics); commonest reason ({count} replies): {last}")
+            f"with no node's metrics); commonest reason ({count} replies): "
+            f"{kinds[-1] if kinds else 'an error'}, in the operator report")
 
 
 def merge_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:

@@ -424,7 +424,9 @@ def fit_personal(model: torch.nn.Module, context: Context, data: object, steps: 
     (``requires_grad`` off), so the training that follows updates the shared layers only ->
     "shared"; train + finetune: nothing to do -> "all"; evaluate: the head is fitted (the
     node's own on the current body, or the global one fine-tuned) -> "personal". The handler's
-    optimizer must be built after this call (or zero its gradients with ``set_to_none``)."""
+    optimizer must be built after this call (or zero its gradients with ``set_to_none``). The
+    freeze is not undone: build the model afresh for each message (as Flower's handlers do) or
+    turn ``requires_grad`` back on yourself."""
     phases = personal_phases(model, context)
     if phases[0].name == "all":
         return "all"

@@ -49,6 +49,7 @@ from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, Accountant, mean_sen
 from fedpriv.privacy.discrete import CryptoRandom
 from fedpriv.privacy.mechanisms import adapted_clip
 from fedpriv.randomness import server_generator
+from fedpriv_flwr import dropin
 from fedpriv_flwr.aggregate import (
     UNCLIPPED_KEY,
     USERS_KEY,
@@ -70,7 +71,6 @@ from fedpriv_flwr.agreement import (
     train_sampling_rate,
 )
 from fedpriv_flwr.checks import check_inner_strategy, check_options, personal_of
-from fedpriv_flwr.dropin import feed_accountant, flower_arguments, sampling_note
 from fedpriv_flwr.grid import noisy_mean_on_grid
 from fedpriv_flwr.metrics import (
     error_reason,
@@ -113,7 +113,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
     def __init__(self, strategy: Strategy, noise_multiplier: float | None = None,
                  clipping_norm: float | None = None, num_sampled_clients: int | None = None, *,
                  accountant: PrivacyAccountant | None = None, num_users: int | None = None,
-                 num_rounds: int | None = None, epsilon: float | None = None,
+                 num_rounds: int | None = None, epsilon: float | None = dropin.DEFAULT_EPSILON,
                  delta: float | None = None, clip_norm: float | None = None,
                  sampling_rate: float | None = None,
                  clip_quantile: float | None = None, clip_lr: float = 0.2,
@@ -128,7 +128,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
                  checkpoint_path: str | None = None, resume: bool = False) -> None:
         super().__init__()
         check_inner_strategy(strategy)
-        given = flower_arguments(  # Flower's DP wrapper's arguments (fedpriv_flwr.dropin)
+        given = dropin.flower_arguments(  # Flower's DP wrapper's arguments (fedpriv_flwr.dropin)
             strategy, noise_multiplier=noise_multiplier, clipping_norm=clipping_norm,
             num_sampled_clients=num_sampled_clients, accountant=accountant, num_users=num_users,
             clip_norm=clip_norm, epsilon=epsilon, delta=delta, max_epsilon=max_epsilon,
@@ -138,7 +138,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
         sampling_rate = train_sampling_rate(strategy, sampling_rate, multi_user_nodes,
                                             secure_noise)
         check_evaluation(strategy, bool(private_metrics))
-        sampling_note(accountant, sampling_rate)
+        dropin.sampling_note(accountant, sampling_rate)
         if multi_user_nodes and sampling_rate < 1:
             log(INFO, "multi_user_nodes: each node samples its own users at rate %g",
                 sampling_rate)
@@ -167,8 +167,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
         self.checkpoint_path = (Path(checkpoint_path).expanduser().resolve()
                                 if checkpoint_path else None)
         self.resume = resume
-        if resume and self.checkpoint_path is None:
-            raise ValueError("resume: needs a checkpoint_path")
+        if resume and (self.checkpoint_path is None or accountant is not None):
+            raise ValueError("resume: needs a checkpoint_path, and no accountant= (yours would "
+                             "miss the rounds before the restart; fedpriv's is in the checkpoint)")
         self.clip = given.clip_norm
         self.accountant = Accountant(DISCRETE_ACCOUNTANT if secure_noise else "pld",
                                      given.relation, given.delta)
@@ -185,8 +186,9 @@ class PrivateStrategy(FlowerDPView, Strategy):
 
     def _make_plan(self, num_rounds: int) -> None:
         planned = self._evaluate_every is not None or self._plan_args["private_metrics"]
-        self._plan = PrivatePlan(num_rounds=num_rounds, evaluate_rounds=evaluate_rounds(
+        p = self._plan = PrivatePlan(num_rounds=num_rounds, evaluate_rounds=evaluate_rounds(
             num_rounds, self._evaluate_every) if planned else (), **self._plan_args)
+        dropin.note_no_ceiling(p.epsilon, p.max_epsilon, p.projected_epsilon)
 
     # ----- Flower's Strategy -----------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -406,7 +408,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
             parts.append(part)
         spent = self.accountant.record(f"{ROUND} {r}", z, parts,
                                        sampling_rate=p.sampling_rate)
-        feed_accountant(self.flower_accountant, z, p.num_users, p.sampling_rate)
+        dropin.feed_accountant(self.flower_accountant, z, p.num_users, p.sampling_rate)
         self._guard(spent)
         if p.clip_quantile is not None:
             fraction = float(noisy[1][0]) + 0.5  # a post-processing of the noisy count

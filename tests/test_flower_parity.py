@@ -186,18 +186,78 @@ def test_evaluations_that_fail_on_their_nodes_are_counted_and_said(tmp_path, cap
     assert len(kept) <= 300 and "pid=..." in kept
     closing = caplog.records[-1].getMessage()
     assert "evaluation replies failed in 2 of 2 rounds (2 with no node's metrics)" in closing
-    assert "RuntimeError: evaluate raised" in closing
+    assert "RuntimeError, in the operator report" in closing and "evaluate raised" not in closing
     release = (tmp_path / "r.release.json").read_text()
     assert "failed" not in release and "evaluate raised" not in release
 
 
-def test_no_arrays_are_lost_when_the_model_keys_are_unusual(tmp_path):
-    """Flower's constructor on a model whose arrays are not called body/head (nothing in the
-    wrapper keys on names)."""
+def test_every_array_moves_whatever_the_model_calls_it(tmp_path):
+    """Flower's constructor on a model whose arrays are not called body/head: each key is
+    released and moved by the noisy mean (nothing in the wrapper keys on names)."""
     init = ArrayRecord({"classifier.weight": _init()["body"], "classifier.bias": _init()["head"]})
     s = PrivateStrategy(FedAvg(), 3.0, 1.0, 8, results_path=str(tmp_path / "r.json"))
-    s.start(grid=FakeGrid(8, _move), initial_arrays=init, num_rounds=1)
-    assert set(s.current_arrays.keys()) == {"classifier.weight", "classifier.bias"}
+    s.start(grid=FakeGrid(8, _move), initial_arrays=init, num_rounds=2)
+    assert s.layout is not None and set(s.layout.keys) == set(init.keys())
+    for key in init.keys():
+        assert not np.array_equal(s.current_arrays[key].numpy(), init[key].numpy()), key
+
+
+def test_flowers_poisson_accountant_is_fed_the_rate_the_run_samples_at(tmp_path):
+    """``fraction_train = 0.22`` of 20 nodes: fedpriv's plan is Poisson at 0.22 and the user's
+    Flower accountant (POISSON) is fed events of sample size ceil(0.22 x 20) = 5 of 20 (never a
+    lower rate than the run's); a REPLACE_ONE accountant makes fedpriv's plan replace-one."""
+    config = PrivacyConfig(target_delta=1e-3, population_size=20,
+                           neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                           sampling_method=SamplingMethod.POISSON)
+    accountant = RdpAccountant(config)
+    inner = FedAvg(fraction_train=0.22, min_available_nodes=1, min_train_nodes=2)
+    s = PrivateStrategy(inner, 2.0, 1.0, num_users=20, accountant=accountant,
+                        results_path=str(tmp_path / "r.json"))
+    s.start(grid=FakeGrid(20, _move), initial_arrays=_init(), num_rounds=3)
+    assert s.plan.sampling_rate == 0.22 and s.plan.relation == "add-remove"
+    assert s.plan.delta == 1e-3
+    fed = accountant.get_privacy_spent()
+    assert fed.num_releases == 3
+    from flwr.serverapp import GaussianPrivacyEvent
+
+    same = RdpAccountant(config)
+    same.compose(GaussianPrivacyEvent(noise_multiplier=2.0, sample_size=5, population_size=20),
+                 count=3)
+    assert fed.epsilon == pytest.approx(same.get_privacy_spent().epsilon, rel=1e-12)
+    replace = PrivacyConfig(target_delta=1e-3, population_size=10,
+                            neighboring_relation=NeighboringRelation.REPLACE_ONE,
+                            sampling_method=SamplingMethod.WITHOUT_REPLACEMENT)
+    s = PrivateStrategy(FedAvg(), 2.0, 1.0, 10, accountant=RdpAccountant(replace),
+                        results_path=str(tmp_path / "r.json"))
+    s.start(grid=FakeGrid(10, _move), initial_arrays=_init(), num_rounds=1)
+    assert s.plan.relation == "replace-one" and s.accountant.relation == "replace-one"
+
+
+def test_bad_values_given_flowers_way_are_refused_not_replaced(tmp_path):
+    for kw, words in (({"clipping_norm": 0.0}, "clip_norm"), ({"delta": 0.0}, "delta"),
+                      ({"num_users": 100.7}, "num_users")):
+        args = {"noise_multiplier": 2.0, "num_users": 20, "num_rounds": 2, **kw}
+        with pytest.raises(PlanError, match=words):
+            PrivateStrategy(FedAvg(), results_path=str(tmp_path / "r.json"), **args)
+    with pytest.raises(ValueError, match="no accountant="):
+        PrivateStrategy(FedAvg(), 2.0, 1.0, 20, accountant=RdpAccountant(_config()),
+                        checkpoint_path=str(tmp_path / "c.ckpt"), resume=True)
+
+
+def test_a_given_noise_multiplier_is_capped_in_fedprivs_form_and_warned_in_flowers(
+        tmp_path, caplog):
+    """fedpriv's keywords keep the target epsilon = 1 as a ceiling for a given z (as before);
+    Flower's form has no target: the projected epsilon is said before round 1."""
+    with pytest.raises(PlanError, match="max_epsilon: the plan spends epsilon"):
+        PrivateStrategy(FedAvg(), num_users=20, num_rounds=5, noise_multiplier=0.5,
+                        results_path=str(tmp_path / "r.json"))
+    caplog.set_level(logging.WARNING)
+    s = PrivateStrategy(FedAvg(), 0.5, 1.0, 20, results_path=str(tmp_path / "r.json"))
+    s.start(grid=FakeGrid(20, _move), initial_arrays=_init(), num_rounds=5)
+    assert s.plan.epsilon is None and s.plan.projected_epsilon > 10
+    said = f"will spend epsilon = {s.plan.projected_epsilon:.4f}"
+    assert said in caplog.text
+    assert s.privacy_spent().epsilon == pytest.approx(s.plan.projected_epsilon, rel=1e-6)
 
 
 def test_the_plan_names_evaluation_rounds_only_where_fedpriv_chooses_them(tmp_path):

@@ -32,7 +32,8 @@ def train(msg: Message, context: Context):
     trainloader, _ = load_data(partition_id, num_partitions, batch_size, seed)
 
     # Call the training function
-    fit_personal(model, context, trainloader)  # fedpriv: fedrep fits and freezes the head first
+    steps, head_lr = context.run_config["head-steps"], context.run_config["head-lr"]  # fedpriv
+    fit_personal(model, context, trainloader, steps, head_lr)  # fedpriv: fedrep: the head first
     train_loss = train_fn(
         model,
         trainloader,
