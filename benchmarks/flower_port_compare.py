@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,13 +86,10 @@ def launch(variant: str, settings: dict[str, Any], engine: str, tmp: Path,
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
-    acc = [r["accuracy"] for r in runs]
-    return {"accuracy_mean": statistics.fmean(acc),
-            "accuracy_sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-            "accuracy_min": min(acc), "accuracy_max": max(acc),
-            "epsilon_max": max(r["epsilon"] for r in runs),
-            "noise_multiplier": runs[0]["noise_multiplier"],
-            "wall_s_mean": statistics.fmean(r["wall_s"] for r in runs)}
+    """flower_app_compare's summary of the runs, with the noise multiplier they shared."""
+    from flower_app_compare import summary as accuracy_summary
+
+    return {**accuracy_summary(runs), "noise_multiplier": runs[0]["noise_multiplier"]}
 
 
 def main(argv: list[str] | None = None) -> int:
