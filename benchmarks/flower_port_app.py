@@ -12,6 +12,8 @@ flower-pld         the same wrapper and z with ``fedpriv_flwr.PldAccountant`` (a
 fedpriv-finetune   ``PrivateStrategy(FedAvg)``, the ``personalize(..., "finetune")`` mod
 fedpriv-fedrep     ``PrivateStrategy(FedAvg, personal_layers=...)``, the ``"fedrep"`` mod
 local              no federation: each node fits its head on the initial (untrained) model
+fedpriv-*-best     the same as fedpriv-finetune / fedpriv-fedrep, each node keeping the better
+                   of its own linear model and the shared one (``keep_best``) to test
 =================  =========================================================================
 
 Every variant has the same clip (fixed), rounds, local training and evaluation: each node fits
@@ -54,10 +56,12 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedpriv_flwr import PldAccountant, PrivateStrategy, calibrate_noise_multiplier
+from fedpriv_flwr.choice import keep_best
 from fedpriv_flwr.heads import fit_head
 from fedpriv_flwr.personal import fit_personal, personalize
 
-VARIANTS = ("flower-rdp", "flower-pld", "fedpriv-finetune", "fedpriv-fedrep", "local")
+VARIANTS = ("flower-rdp", "flower-pld", "fedpriv-finetune", "fedpriv-fedrep", "local",
+            "fedpriv-finetune-best", "fedpriv-fedrep-best")
 PATTERN = r"^fc3\."
 HEAD = ("fc3.weight", "fc3.bias")
 DEVICE = torch.device("cpu")
@@ -76,7 +80,9 @@ def _data(context: Context, s: dict[str, Any]):
 
 def client_app(variant: str, s: dict[str, Any]) -> ClientApp:
     """The nodes' app of ``variant`` with the settings ``s``."""
-    schedule = {"fedpriv-finetune": "finetune", "fedpriv-fedrep": "fedrep"}.get(variant)
+    schedule = {"fedpriv-finetune": "finetune", "fedpriv-fedrep": "fedrep"}.get(
+        variant.removesuffix("-best"))
+    best = variant.endswith("-best")
     app = ClientApp(mods=[personalize(PATTERN, schedule=schedule)] if schedule else [])
 
     @app.train()
@@ -96,7 +102,9 @@ def client_app(variant: str, s: dict[str, Any]) -> ClientApp:
     def evaluate(msg: Message, context: Context) -> Message:
         model = _model(msg)
         trainloader, testloader = _data(context, s)
-        if schedule:
+        if best:  # the better of its own model and the shared one, on its training rows
+            model = keep_best(model, context, trainloader, steps=s["head_steps"])
+        elif schedule:
             fit_personal(model, context, trainloader, steps=s["head_steps"])
         else:
             fit_head(model, HEAD, trainloader, steps=s["head_steps"])
@@ -125,7 +133,7 @@ def strategy(variant: str, s: dict[str, Any]):
         inner, num_users=n, num_rounds=rounds, evaluate_every=rounds, epsilon=s["epsilon"],
         delta=s["delta"], clip_norm=s["clip_norm"], seed=s["seed"],
         results_path=str(Path(s["out"]).with_suffix(".operator.json")),
-        personal_layers=PATTERN if variant == "fedpriv-fedrep" else None)
+        personal_layers=PATTERN if variant.startswith("fedpriv-fedrep") else None)
 
 
 def _evaluate_once(grid: Grid, arrays: ArrayRecord) -> dict[str, float]:

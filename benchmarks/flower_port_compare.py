@@ -33,11 +33,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flower-app"
 VARIANTS = ("flower-rdp", "flower-pld", "fedpriv-finetune", "fedpriv-fedrep", "local")
+EXTRA = ("fedpriv-finetune-best", "fedpriv-fedrep-best")  # run when named in --variants
 LABELS = {"flower-rdp": "the app as it was (Flower's wrapper, RDP)",
           "flower-pld": "Flower's wrapper + PldAccountant",
           "fedpriv-finetune": "PrivateStrategy, finetune",
           "fedpriv-fedrep": "PrivateStrategy, fedrep",
-          "local": "no federation (head on the untrained model)"}
+          "local": "no federation (head on the untrained model)",
+          "fedpriv-finetune-best": "PrivateStrategy, finetune, keep_best",
+          "fedpriv-fedrep-best": "PrivateStrategy, fedrep, keep_best"}
 
 
 def example_config() -> dict[str, Any]:
@@ -116,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         run_one(args.child, json.loads(args.settings), args.engine)
         return 0
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA))
     if unknown or not variants:
         parser.error(f"--variants: {', '.join(unknown) or 'none given'}; choose among "
-                     f"{', '.join(VARIANTS)}")
+                     f"{', '.join(VARIANTS + EXTRA)}")
     if args.num_nodes < 1 or args.rounds < 1 or args.seeds < 1:
         parser.error("--num-nodes, --rounds and --seeds must be at least 1")
 

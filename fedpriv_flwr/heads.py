@@ -28,10 +28,10 @@ import torch
 
 from fedpriv.algorithms.deep.head_fit import fit_heads
 
-__all__ = ["fit_head"]
+__all__ = ["fit_head", "flat_head", "head_inputs", "head_module", "set_head"]
 
 
-def _head_module(model: torch.nn.Module, names: Iterable[str]) -> torch.nn.Linear:
+def head_module(model: torch.nn.Module, names: Iterable[str]) -> torch.nn.Linear:
     """The ``torch.nn.Linear`` whose parameters are exactly ``names``."""
     wanted = set(names)
     for prefix, module in model.named_modules():
@@ -63,11 +63,27 @@ def fit_head(model: torch.nn.Module, trains: Iterable[str], data: object, steps:
     cross-entropy of the fitted head over the rows."""
     if steps < 0 or not lr > 0:
         raise ValueError(f"fit_head: steps >= 0 and lr > 0, got steps={steps}, lr={lr}")
-    head = _head_module(model, trains)
+    head = head_module(model, trains)
+    feats, y, _ = head_inputs(model, head, data)
+    mask = torch.ones(y.shape, dtype=feats.dtype, device=feats.device)
+    bias = head.bias is not None
+    flat = fit_heads(feats, y, mask, head.out_features, steps, lr, init=flat_head(head),
+                     bias=bias)[0]
+    set_head(head, flat)
+    with torch.no_grad():
+        logits = feats[0] @ head.weight.T + (head.bias if head.bias is not None else 0.0)
+        return float(torch.nn.functional.cross_entropy(logits, y[0]))
+
+
+def head_inputs(model: torch.nn.Module, head: torch.nn.Linear, data: object
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs of ``head`` (1, rows, h), the labels (1, rows) and the raw inputs flattened
+    (1, rows, d) over all of ``data``, the model in eval mode and without gradients."""
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda mod, args, out: captured.append(
         args[0].detach().reshape(len(args[0]), -1)))
     labels: list[torch.Tensor] = []
+    raw: list[torch.Tensor] = []
     training = model.training
     device = head.weight.device
     model.eval()
@@ -76,23 +92,28 @@ def fit_head(model: torch.nn.Module, trains: Iterable[str], data: object, steps:
             for x, y in _rows(data):
                 model(x.to(device))
                 labels.append(y.to(device).long().reshape(-1))
+                raw.append(x.to(device).reshape(len(x), -1))
     finally:
         hook.remove()
         model.train(training)
     if not captured:
         raise ValueError("fit_head: no rows to fit the head on")
-    feats = torch.cat(captured).to(head.weight.dtype)[None]  # (1, rows, h)
-    y = torch.cat(labels)[None]
-    mask = torch.ones(y.shape, dtype=feats.dtype, device=device)
-    bias = head.bias is not None
+    dtype = head.weight.dtype
+    return (torch.cat(captured).to(dtype)[None], torch.cat(labels)[None],
+            torch.cat(raw).to(dtype)[None])
+
+
+def flat_head(head: torch.nn.Linear) -> torch.Tensor:
+    """The head as fit_heads lays it out: (1, C*h [+ C])."""
     start = head.weight.detach().reshape(1, -1)
-    if bias:
+    if head.bias is not None:
         start = torch.cat([start, head.bias.detach().reshape(1, -1)], 1)
-    flat = fit_heads(feats, y, mask, head.out_features, steps, lr, init=start, bias=bias)[0]
+    return start
+
+
+def set_head(head: torch.nn.Linear, flat: torch.Tensor) -> None:
     c, h = head.out_features, head.in_features
     with torch.no_grad():
         head.weight.copy_(flat[:c * h].reshape(c, h))
         if head.bias is not None:
             head.bias.copy_(flat[c * h:])
-        logits = feats[0] @ head.weight.T + (head.bias if head.bias is not None else 0.0)
-        return float(torch.nn.functional.cross_entropy(logits, y[0]))

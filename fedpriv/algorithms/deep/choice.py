@@ -41,6 +41,7 @@ import torch
 
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.final_fit import accuracy_sums, functional_logits, summarize
+from fedpriv.algorithms.deep.head_fit import mix_weights
 from fedpriv.algorithms.deep.params import DeepConfig
 from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock, user_block
 from fedpriv.algorithms.shared_params import MIX_WEIGHTS
@@ -112,21 +113,9 @@ def local_predictions(config: DeepConfig, problem: DeepProblem, train: UserBlock
 
 def chosen_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
-    """Each user's weight of the shared model: the entry of ``MIX_WEIGHTS`` whose mix of the
-    cross-validated probabilities (n, r, C) has the least cross-entropy summed over its valid
-    rows, the first (the larger weight) among ties; 1 for a user without rows. (n,)
-
-    Cross-entropy, not the count of rows right: on 10 rows a count ties or flips on one row,
-    while the probabilities say how sure each model was (on seed 100 of Fashion-MNIST at
-    10 rows a user, the count kept 0.672 and the cross-entropy 0.685; docs: results)."""
-    def loss(w: float) -> torch.Tensor:
-        p = (w * shared + (1 - w) * local).gather(-1, y[..., None])[..., 0]
-        return -(torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask).sum(1)
-
-    losses = torch.stack([loss(w) for w in MIX_WEIGHTS], 1)  # (n, weights)
-    losses = torch.nan_to_num(losses, nan=float("inf"))  # a non-finite option is never chosen
-    weights = torch.tensor(MIX_WEIGHTS, dtype=shared.dtype, device=shared.device)
-    return weights[losses.argmin(1)]  # argmin: the first of equal losses
+    """Each user's weight of the shared model among ``MIX_WEIGHTS``: the mix of least
+    cross-validated cross-entropy (``head_fit.mix_weights``). (n,)"""
+    return mix_weights(shared, local, y, mask, MIX_WEIGHTS)
 
 
 def mixed(weight: torch.Tensor, shared: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

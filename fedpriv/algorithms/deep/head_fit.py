@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fit_heads", "head_step_sizes"]
+__all__ = ["fit_heads", "head_step_sizes", "mix_weights"]
 
 
 def head_step_sizes(feats: torch.Tensor, mask: torch.Tensor, lr: float) -> torch.Tensor:
@@ -61,3 +61,24 @@ def fit_heads(feats: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_clas
             if bias:
                 b = b - rate[:, None] * g.sum(1)
     return torch.cat([w.reshape(n, -1), b], 1) if bias else w.reshape(n, -1)
+
+
+def mix_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                weights: tuple[float, ...]) -> torch.Tensor:
+    """Each user's weight of the shared model: the entry of ``weights`` whose mix
+    ``w p_shared + (1 - w) p_local`` of the cross-validated class probabilities (n, r, C) has
+    the least cross-entropy summed over its valid rows, the first (the larger weight) among
+    ties; the first for a user without rows. (n,)
+
+    Cross-entropy, not the count of rows right: on 10 rows a count ties or flips on one row,
+    while the probabilities say how sure each model was (on seed 100 of Fashion-MNIST at
+    10 rows a user, the count kept 0.672 and the cross-entropy 0.685; docs: results)."""
+    def loss(w: float) -> torch.Tensor:
+        p = (w * shared + (1 - w) * local).gather(-1, y[..., None])[..., 0]
+        return -(torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask).sum(1)
+
+    losses = torch.stack([loss(w) for w in weights], 1)  # (n, weights)
+    losses = torch.nan_to_num(losses, nan=float("inf"))  # a non-finite option is never chosen
+    table = torch.tensor(weights, dtype=shared.dtype, device=shared.device)
+    return table[losses.argmin(1)]  # argmin: the first of equal losses
+

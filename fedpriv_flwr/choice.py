@@ -1,0 +1,106 @@
+"""Each node keeps the better of training alone and the shared personal model, chosen on its own
+training rows: the Flower counterpart of fedpriv's ``final-choice = "best"``
+(``fedpriv.algorithms.deep.choice``; docs/algorithms/deep.md), for the evaluate handler::
+
+    model = keep_best(model, context, trainloader)  # instead of fit_personal(...)
+    loss, acc = test(model, testloader)
+
+The node has two models: the **shared** personal model (its head fitted on the current body as
+``fit_personal`` fits it: from the global head under ``finetune``, from zero under ``fedrep``)
+and its **local** model (a linear softmax model on its raw inputs, fitted on its rows alone).
+It keeps the mix ``w p_shared + (1 - w) p_local`` of their class probabilities for the weight
+``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model) of least cross-entropy by
+k-fold cross-validation on its training rows (row j in fold j mod k; both models refitted on
+the other folds), ties to the larger weight; then both are fitted on all its rows. Test rows
+are never read, and nothing leaves the node: a post-processing of the release, at no privacy
+cost. The returned module gives log-probabilities (its argmax is the kept prediction and
+``CrossEntropyLoss`` on it is the mix's cross-entropy); ``.weight`` is the chosen ``w``.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import Context
+
+from fedpriv.algorithms.deep.head_fit import fit_heads, mix_weights
+from fedpriv_flwr.heads import flat_head, head_inputs, head_module, set_head
+from fedpriv_flwr.personal import STATE_KEY, personal_phases
+
+__all__ = ["MIX_WEIGHTS", "Kept", "keep_best"]
+
+MIX_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)  # as fedpriv.algorithms.shared_params (tested)
+
+
+class Kept(torch.nn.Module):
+    """The kept predictor: log of ``w p_shared + (1 - w) p_local`` (the shared model's own
+    logits at ``w = 1``)."""
+
+    def __init__(self, model: torch.nn.Module, local: torch.Tensor, classes: int,
+                 weight: float) -> None:
+        super().__init__()
+        self.model, self.weight, self.classes = model, float(weight), classes
+        self.local: torch.Tensor = local.detach().clone()  # the local model's flat weights
+
+    def local_probs(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.local.to(x.device)
+        flat = x.reshape(len(x), -1).to(local.dtype)
+        d = flat.shape[1]
+        w, b = local[:self.classes * d].reshape(self.classes, d), local[self.classes * d:]
+        return torch.softmax(flat @ w.T + b, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight == 1.0:
+            out: torch.Tensor = self.model(x)
+            return out
+        local = self.local_probs(x)
+        if self.weight == 0.0:
+            return torch.log(local.clamp_min(torch.finfo(local.dtype).tiny))
+        mix = self.weight * torch.softmax(self.model(x), -1) + (1 - self.weight) * local
+        return torch.log(mix.clamp_min(torch.finfo(mix.dtype).tiny))
+
+
+def _probs(inputs: torch.Tensor, flat: torch.Tensor, classes: int, bias: bool) -> torch.Tensor:
+    h = inputs.shape[-1]
+    logits = inputs @ flat[:, :classes * h].reshape(-1, classes, h).transpose(1, 2)
+    if bias:
+        logits = logits + flat[:, None, classes * h:]
+    return torch.softmax(logits, -1)
+
+
+def _cross_validated(inputs: torch.Tensor, y: torch.Tensor, classes: int, steps: int, lr: float,
+                     folds: int, start: torch.Tensor | None, bias: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities from a head fitted on the other folds (1, r, C), and the head
+    fitted on all rows (1, H)."""
+    rows = inputs.shape[1]
+    fold = torch.arange(rows, device=inputs.device) % folds
+    held = torch.zeros(1, rows, classes, dtype=inputs.dtype, device=inputs.device)
+    for j in range(min(folds, rows)):
+        mask = (fold != j).to(inputs.dtype)[None]
+        head = fit_heads(inputs, y, mask, classes, steps, lr, init=start, bias=bias)
+        held = torch.where((fold == j)[None, :, None], _probs(inputs, head, classes, bias), held)
+    full = fit_heads(inputs, y, torch.ones_like(y, dtype=inputs.dtype), classes, steps, lr,
+                     init=start, bias=bias)
+    return held, full
+
+
+def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int = 100,
+              lr: float = 1.0, folds: int = 5) -> Kept:
+    """The node's kept predictor (module docstring); ``model``'s head is left fitted on all
+    the node's rows (the shared personal model). ``data``: a DataLoader of ``(inputs, labels)``
+    or one pair, the node's training rows; ``steps``/``lr`` as ``fit_personal``'s."""
+    if folds < 2:
+        raise ValueError(f"keep_best: folds >= 2, got {folds}")
+    phases = personal_phases(model, context)
+    record = context.state.config_records[STATE_KEY]
+    head = head_module(model, phases[0].trains)
+    feats, y, raw = head_inputs(model, head, data)
+    classes, bias = head.out_features, head.bias is not None
+    # fedrep: the head from zero (the node's stored head saw every row); finetune: the global
+    start = None if str(record["schedule"]) == "fedrep" else flat_head(head)
+    shared_held, shared_full = _cross_validated(feats, y, classes, steps, lr, folds, start, bias)
+    local_held, local_full = _cross_validated(raw, y, classes, steps, lr, folds, None, True)
+    weight = mix_weights(shared_held, local_held, y, torch.ones_like(shared_held[..., 0]),
+                         MIX_WEIGHTS)
+    set_head(head, shared_full[0])
+    return Kept(model, local_full[0], classes, float(weight[0]))

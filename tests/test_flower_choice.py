@@ -1,0 +1,96 @@
+"""A Flower node's final choice (``fedpriv_flwr.choice.keep_best``): the better of its own
+linear model on raw inputs and the shared personal model, or a mix, by cross-validation on its
+own training rows, as fedpriv's ``final-choice = "best"``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, RecordDict
+
+from fedpriv_flwr.choice import MIX_WEIGHTS, Kept, _cross_validated, keep_best
+from fedpriv_flwr.personal import STATE_KEY
+
+
+def _context(schedule: str = "fedrep") -> Context:
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    context.state[STATE_KEY] = ConfigRecord({"pattern": r"^2\.", "schedule": schedule,
+                                             "kind": "evaluate", "message-type": "evaluate",
+                                             "source": "state"})
+    return context
+
+
+def _xor_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels no linear model of the raw inputs tells apart (XOR of the signs of x0 and x1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return x, ((x[:, 0] > 0) ^ (x[:, 1] > 0)).long()
+
+
+def _xor_body() -> torch.nn.Sequential:
+    """A body whose features are |x0 + x1| and |x0 - x1| (split in ReLU halves): XOR is linear
+    in them."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1., 1, 0, 0], [-1, -1, 0, 0], [1, -1, 0, 0],
+                                            [-1, 1, 0, 0]]) * 3)
+        model[0].bias.zero_()
+        model[2].weight.zero_()
+        model[2].bias.zero_()
+    return model
+
+
+def test_the_weights_are_fedprivs():
+    from fedpriv.algorithms.shared_params import MIX_WEIGHTS as FEDPRIV
+
+    assert MIX_WEIGHTS == FEDPRIV
+
+
+@pytest.mark.parametrize("schedule", ["fedrep", "finetune"])
+def test_a_node_keeps_the_shared_model_where_its_features_are_what_the_labels_need(schedule):
+    x, y = _xor_rows(80, 0)
+    model = _xor_body()
+    kept = keep_best(model, _context(schedule), (x, y))
+    assert kept.weight == 1.0
+    fresh, labels = _xor_rows(400, 1)
+    with torch.no_grad():
+        assert torch.equal(kept(fresh), model(fresh))  # the shared model itself
+        assert (kept(fresh).argmax(1) == labels).float().mean() > 0.9
+        assert float(model[2].weight.abs().sum()) > 0  # the head was fitted on the node's rows
+
+
+def test_a_node_keeps_its_own_model_where_the_shared_body_says_nothing():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(60, 4, generator=g)
+    y = (x[:, 2] > 0).long()  # linear in the raw inputs; the body below reads only x0, x1
+    model = _xor_body()
+    with torch.no_grad():
+        model[0].weight.zero_()  # every feature constant: the shared model is the label prior
+    kept = keep_best(model, _context(), (x, y))
+    assert kept.weight == 0.0
+    fresh = torch.randn(300, 4, generator=g)
+    with torch.no_grad():
+        probs = kept.local_probs(fresh)
+        assert torch.allclose(kept(fresh), torch.log(probs))
+        assert (kept(fresh).argmax(1) == (fresh[:, 2] > 0).long()).float().mean() > 0.9
+    assert isinstance(kept, Kept) and kept.classes == 2
+
+
+def test_each_row_is_scored_by_heads_that_never_saw_it():
+    """Cross-validation: changing the labels of fold 0's rows leaves the held-out predictions
+    of fold 0 unchanged (they come from heads fitted on the other folds) and changes others."""
+    g = torch.Generator().manual_seed(5)
+    inputs = torch.randn(1, 20, 3, generator=g)
+    y = torch.randint(0, 3, (1, 20), generator=g)
+    held, _ = _cross_validated(inputs, y, 3, 30, 1.0, 5, None, True)
+    flipped = y.clone()
+    flipped[0, ::5] = (flipped[0, ::5] + 1) % 3  # fold 0: rows 0, 5, 10, 15
+    again, _ = _cross_validated(inputs, flipped, 3, 30, 1.0, 5, None, True)
+    assert torch.allclose(held[0, ::5], again[0, ::5])
+    assert not torch.allclose(held[0, 1::5], again[0, 1::5])
+
+
+def test_too_few_folds_are_refused():
+    x, y = _xor_rows(10, 0)
+    with pytest.raises(ValueError, match="folds >= 2"):
+        keep_best(_xor_body(), _context(), (x, y), folds=1)
