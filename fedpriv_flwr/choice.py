@@ -6,15 +6,18 @@ training rows: the Flower counterpart of fedpriv's ``final-choice = "best"``
     loss, acc = test(model, testloader)
 
 The node has two models: the **shared** personal model (its head fitted on the current body as
-``fit_personal`` fits it: from the global head under ``finetune``, from zero under ``fedrep``)
-and its **local** model (a linear softmax model on its raw inputs, fitted on its rows alone).
-It keeps the mix ``w p_shared + (1 - w) p_local`` of their class probabilities for the weight
-``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model) of least cross-entropy by
-k-fold cross-validation on its training rows (row j in fold j mod k; both models refitted on
-the other folds), ties to the larger weight; then both are fitted on all its rows. Test rows
-are never read, and nothing leaves the node: a post-processing of the release, at no privacy
-cost. The returned module gives log-probabilities (its argmax is the kept prediction and
-``CrossEntropyLoss`` on it is the mix's cross-entropy); ``.weight`` is the chosen ``w``.
+``fit_personal`` fits it: from the global head under ``finetune``, from the node's own head
+under ``fedrep``; that head was fitted on all the node's rows in earlier rounds, held-back folds
+included, so under ``fedrep`` the cross-validation flatters the shared model a little, the
+direction ties go too) and its **local** model (a linear softmax model on its raw inputs, fitted
+on its rows alone). It keeps the mix ``w p_shared + (1 - w) p_local`` of their class
+probabilities for the weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model)
+of least cross-entropy by k-fold cross-validation on its training rows (row j in fold j mod k;
+both models refitted on the other folds), ties to the larger weight; then both are fitted on all
+its rows. Test rows are never read, and nothing leaves the node: a post-processing of the
+release, at no privacy cost. The returned module gives log-probabilities (its argmax is the kept
+prediction and ``CrossEntropyLoss`` on it is the mix's cross-entropy); ``.weight`` is the chosen
+``w``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from flwr.app import Context
 
 from fedpriv.algorithms.deep.head_fit import fit_heads, mix_weights
 from fedpriv_flwr.heads import flat_head, head_inputs, head_module, set_head
-from fedpriv_flwr.personal import STATE_KEY, personal_phases
+from fedpriv_flwr.personal import personal_phases
 
 __all__ = ["MIX_WEIGHTS", "Kept", "keep_best"]
 
@@ -92,12 +95,10 @@ def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int
     if folds < 2:
         raise ValueError(f"keep_best: folds >= 2, got {folds}")
     phases = personal_phases(model, context)
-    record = context.state.config_records[STATE_KEY]
     head = head_module(model, phases[0].trains)
     feats, y, raw = head_inputs(model, head, data)
     classes, bias = head.out_features, head.bias is not None
-    # fedrep: the head from zero (the node's stored head saw every row); finetune: the global
-    start = None if str(record["schedule"]) == "fedrep" else flat_head(head)
+    start = flat_head(head)  # as fit_personal: the node's stored head, or the global one
     shared_held, shared_full = _cross_validated(feats, y, classes, steps, lr, folds, start, bias)
     local_held, local_full = _cross_validated(raw, y, classes, steps, lr, folds, None, True)
     weight = mix_weights(shared_held, local_held, y, torch.ones_like(shared_held[..., 0]),

@@ -94,3 +94,20 @@ def test_too_few_folds_are_refused():
     x, y = _xor_rows(10, 0)
     with pytest.raises(ValueError, match="folds >= 2"):
         keep_best(_xor_body(), _context(), (x, y), folds=1)
+
+
+@pytest.mark.parametrize("schedule", ["fedrep", "finetune"])
+def test_the_shared_model_kept_is_the_one_fit_personal_fits(schedule):
+    """``keep_best`` leaves the model's head as ``fit_personal`` would (from the head the node
+    has), so a node that keeps the shared model keeps what it would have without the choice."""
+    from fedpriv_flwr.personal import fit_personal
+
+    x, y = _xor_rows(50, 2)
+    chosen, plain = _xor_body(), _xor_body()
+    with torch.no_grad():
+        for m in (chosen, plain):  # a head the node already has
+            m[2].weight.copy_(torch.tensor([[0.3, -0.2, 0.1, 0.0], [0.0, 0.1, -0.3, 0.2]]))
+    keep_best(chosen, _context(schedule), (x, y), steps=40)
+    fit_personal(plain, _context(schedule), (x, y), steps=40)
+    for a, b in zip(chosen.parameters(), plain.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
