@@ -81,4 +81,3 @@ def check_options(multi_user_nodes: bool, personal_layers: str | None, private_m
                          "hold the exact and the noisy value under one name; use "
                          "'operator-only' (the exact ones prefixed) or 'report'")
     return exact_metrics
-

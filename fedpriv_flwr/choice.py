@@ -42,23 +42,25 @@ class Kept(torch.nn.Module):
                  weight: float) -> None:
         super().__init__()
         self.model, self.weight, self.classes = model, float(weight), classes
-        self.local: torch.Tensor = local.detach().clone()  # the local model's flat weights
+        self.register_buffer("local", local.detach().clone())  # the local model, flat
 
-    def local_probs(self, x: torch.Tensor) -> torch.Tensor:
-        local = self.local.to(x.device)
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.get_buffer("local")
         flat = x.reshape(len(x), -1).to(local.dtype)
         d = flat.shape[1]
         w, b = local[:self.classes * d].reshape(self.classes, d), local[self.classes * d:]
-        return torch.softmax(flat @ w.T + b, -1)
+        return flat @ w.T + b
+
+    def local_probs(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.local_logits(x), -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight == 1.0:
-            out: torch.Tensor = self.model(x)
-            return out
-        local = self.local_probs(x)
+            return torch.log_softmax(self.model(x), -1)
         if self.weight == 0.0:
-            return torch.log(local.clamp_min(torch.finfo(local.dtype).tiny))
-        mix = self.weight * torch.softmax(self.model(x), -1) + (1 - self.weight) * local
+            return torch.log_softmax(self.local_logits(x), -1)
+        mix = (self.weight * torch.softmax(self.model(x), -1)
+               + (1 - self.weight) * self.local_probs(x))
         return torch.log(mix.clamp_min(torch.finfo(mix.dtype).tiny))
 
 
@@ -95,8 +97,12 @@ def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int
     if folds < 2:
         raise ValueError(f"keep_best: folds >= 2, got {folds}")
     phases = personal_phases(model, context)
+    if phases[0].name != "personal" or len(phases) != 1:
+        raise ValueError("keep_best: call it in the evaluate handler (the train handler's "
+                         "line is fit_personal)")
     head = head_module(model, phases[0].trains)
     feats, y, raw = head_inputs(model, head, data)
+    assert raw is not None
     classes, bias = head.out_features, head.bias is not None
     start = flat_head(head)  # as fit_personal: the node's stored head, or the global one
     shared_held, shared_full = _cross_validated(feats, y, classes, steps, lr, folds, start, bias)

@@ -130,4 +130,3 @@ def note_no_ceiling(epsilon: float | None, max_epsilon: float | None, projected:
         log(WARNING, "fedpriv: noise_multiplier given without epsilon or max_epsilon: the planned "
             "rounds will spend epsilon = %.4f (PLD); pass max_epsilon (or the accountant's) to "
             "refuse more", projected)
-

@@ -64,7 +64,7 @@ def fit_head(model: torch.nn.Module, trains: Iterable[str], data: object, steps:
     if steps < 0 or not lr > 0:
         raise ValueError(f"fit_head: steps >= 0 and lr > 0, got steps={steps}, lr={lr}")
     head = head_module(model, trains)
-    feats, y, _ = head_inputs(model, head, data)
+    feats, y, _ = head_inputs(model, head, data, with_raw=False)
     mask = torch.ones(y.shape, dtype=feats.dtype, device=feats.device)
     bias = head.bias is not None
     flat = fit_heads(feats, y, mask, head.out_features, steps, lr, init=flat_head(head),
@@ -75,10 +75,11 @@ def fit_head(model: torch.nn.Module, trains: Iterable[str], data: object, steps:
         return float(torch.nn.functional.cross_entropy(logits, y[0]))
 
 
-def head_inputs(model: torch.nn.Module, head: torch.nn.Linear, data: object
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inputs of ``head`` (1, rows, h), the labels (1, rows) and the raw inputs flattened
-    (1, rows, d) over all of ``data``, the model in eval mode and without gradients."""
+def head_inputs(model: torch.nn.Module, head: torch.nn.Linear, data: object,
+                with_raw: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inputs of ``head`` (1, rows, h), the labels (1, rows) and, ``with_raw``, the raw
+    inputs flattened (1, rows, d) over all of ``data``, the model in eval mode and without
+    gradients."""
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda mod, args, out: captured.append(
         args[0].detach().reshape(len(args[0]), -1)))
@@ -92,15 +93,20 @@ def head_inputs(model: torch.nn.Module, head: torch.nn.Linear, data: object
             for x, y in _rows(data):
                 model(x.to(device))
                 labels.append(y.to(device).long().reshape(-1))
-                raw.append(x.to(device).reshape(len(x), -1))
+                if with_raw:
+                    raw.append(x.to(device).reshape(len(x), -1))
     finally:
         hook.remove()
         model.train(training)
     if not captured:
         raise ValueError("fit_head: no rows to fit the head on")
     dtype = head.weight.dtype
-    return (torch.cat(captured).to(dtype)[None], torch.cat(labels)[None],
-            torch.cat(raw).to(dtype)[None])
+    if with_raw and len({r.shape[1] for r in raw}) > 1:
+        raise ValueError("keep_best: the local model reads the raw inputs, flattened; the "
+                         "batches have inputs of different sizes "
+                         f"{sorted({r.shape[1] for r in raw})[:4]}")
+    flat = torch.cat(raw).to(dtype)[None] if with_raw else None
+    return torch.cat(captured).to(dtype)[None], torch.cat(labels)[None], flat
 
 
 def flat_head(head: torch.nn.Linear) -> torch.Tensor:

@@ -98,4 +98,3 @@ def merge_row(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
             existing.update({k: v for k, v in row.items() if k != "round"})
             return
     rows.append(row)
-

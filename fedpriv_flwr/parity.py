@@ -74,4 +74,3 @@ class FlowerDPView:
             p.sampling_rate)
         log(INFO, "\t│\t└── private metrics: %s", dict(p.private_metrics) or "none")
         self.strategy.summary()
-

@@ -439,4 +439,3 @@ def fit_personal(model: torch.nn.Module, context: Context, data: object, steps: 
         if name in frozen:
             param.requires_grad_(False)
     return "shared"
-

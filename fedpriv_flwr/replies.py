@@ -40,4 +40,3 @@ def users_of(metrics: MetricRecord, num_users: int) -> int:
     if not 0 <= users <= num_users:
         raise RejectedReply(f"claims {users} users (0 to num_users)")
     return users
-

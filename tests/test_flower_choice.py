@@ -53,8 +53,8 @@ def test_a_node_keeps_the_shared_model_where_its_features_are_what_the_labels_ne
     kept = keep_best(model, _context(schedule), (x, y))
     assert kept.weight == 1.0
     fresh, labels = _xor_rows(400, 1)
-    with torch.no_grad():
-        assert torch.equal(kept(fresh), model(fresh))  # the shared model itself
+    with torch.no_grad():  # the shared model itself, as log-probabilities
+        assert torch.allclose(kept(fresh), torch.log_softmax(model(fresh), -1))
         assert (kept(fresh).argmax(1) == labels).float().mean() > 0.9
         assert float(model[2].weight.abs().sum()) > 0  # the head was fitted on the node's rows
 
@@ -71,7 +71,7 @@ def test_a_node_keeps_its_own_model_where_the_shared_body_says_nothing():
     fresh = torch.randn(300, 4, generator=g)
     with torch.no_grad():
         probs = kept.local_probs(fresh)
-        assert torch.allclose(kept(fresh), torch.log(probs))
+        assert torch.allclose(kept(fresh), torch.log(probs), atol=1e-5)
         assert (kept(fresh).argmax(1) == (fresh[:, 2] > 0).long()).float().mean() > 0.9
     assert isinstance(kept, Kept) and kept.classes == 2
 
@@ -90,10 +90,61 @@ def test_each_row_is_scored_by_heads_that_never_saw_it():
     assert not torch.allclose(held[0, 1::5], again[0, 1::5])
 
 
-def test_too_few_folds_are_refused():
+def test_too_few_folds_and_a_train_handler_are_refused():
     x, y = _xor_rows(10, 0)
     with pytest.raises(ValueError, match="folds >= 2"):
         keep_best(_xor_body(), _context(), (x, y), folds=1)
+    train = _context()
+    train.state[STATE_KEY]["kind"] = "train"
+    with pytest.raises(ValueError, match="evaluate handler"):
+        keep_best(_xor_body(), train, (x, y))
+
+
+def test_a_mix_is_the_log_of_the_mixed_probabilities_and_each_output_normalised():
+    x, _ = _xor_rows(30, 4)
+    model = _xor_body()
+    g = torch.Generator().manual_seed(6)
+    local = torch.randn(2 * 4 + 2, generator=g)
+    for w in MIX_WEIGHTS:
+        kept = Kept(model, local, 2, w)
+        with torch.no_grad():
+            out = kept(x)
+            mix = w * torch.softmax(model(x), -1) + (1 - w) * kept.local_probs(x)
+        assert torch.allclose(out.exp(), mix, atol=1e-5), w
+        assert torch.allclose(out.logsumexp(-1), torch.zeros(30), atol=1e-5), w
+    assert "local" in dict(kept.named_buffers())  # moves with .to() and is in state_dict
+
+
+def test_a_shuffled_dataloader_in_batches_gives_the_pair_s_choice():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = _xor_rows(64, 7)
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(x, y), batch_size=10, shuffle=True)
+    a, b = _xor_body(), _xor_body()
+    kept_pair = keep_best(a, _context(), (x, y))
+    kept_loader = keep_best(b, _context(), loader)
+    assert kept_pair.weight == kept_loader.weight == 1.0  # rows in another order, same choice
+
+
+def test_fit_head_takes_batches_of_inputs_of_different_sizes():
+    """Only keep_best reads the raw inputs: fit_head on padded text batches of two lengths."""
+    from fedpriv_flwr.heads import fit_head
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens).mean(1))
+
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randint(0, 20, (6, length), generator=g), torch.randint(0, 2, (6,),
+                                                                             generator=g))
+               for length in (5, 9)]
+    assert fit_head(Bag(), ["head.weight", "head.bias"], batches, steps=5) > 0
 
 
 @pytest.mark.parametrize("schedule", ["fedrep", "finetune"])

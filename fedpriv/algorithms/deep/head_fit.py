@@ -81,4 +81,3 @@ def mix_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor, mask
     losses = torch.nan_to_num(losses, nan=float("inf"))  # a non-finite option is never chosen
     table = torch.tensor(weights, dtype=shared.dtype, device=shared.device)
     return table[losses.argmin(1)]  # argmin: the first of equal losses
-
