@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Context
 
-from fedpriv.algorithms.deep.head_fit import fit_heads, mix_weights
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights
 from fedpriv_flwr.heads import flat_head, head_inputs, head_module, set_head
 from fedpriv_flwr.personal import personal_phases
 
@@ -64,31 +64,6 @@ class Kept(torch.nn.Module):
         return torch.log(mix.clamp_min(torch.finfo(mix.dtype).tiny))
 
 
-def _probs(inputs: torch.Tensor, flat: torch.Tensor, classes: int, bias: bool) -> torch.Tensor:
-    h = inputs.shape[-1]
-    logits = inputs @ flat[:, :classes * h].reshape(-1, classes, h).transpose(1, 2)
-    if bias:
-        logits = logits + flat[:, None, classes * h:]
-    return torch.softmax(logits, -1)
-
-
-def _cross_validated(inputs: torch.Tensor, y: torch.Tensor, classes: int, steps: int, lr: float,
-                     folds: int, start: torch.Tensor | None, bias: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's probabilities from a head fitted on the other folds (1, r, C), and the head
-    fitted on all rows (1, H)."""
-    rows = inputs.shape[1]
-    fold = torch.arange(rows, device=inputs.device) % folds
-    held = torch.zeros(1, rows, classes, dtype=inputs.dtype, device=inputs.device)
-    for j in range(min(folds, rows)):
-        mask = (fold != j).to(inputs.dtype)[None]
-        head = fit_heads(inputs, y, mask, classes, steps, lr, init=start, bias=bias)
-        held = torch.where((fold == j)[None, :, None], _probs(inputs, head, classes, bias), held)
-    full = fit_heads(inputs, y, torch.ones_like(y, dtype=inputs.dtype), classes, steps, lr,
-                     init=start, bias=bias)
-    return held, full
-
-
 def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int = 100,
               lr: float = 1.0, folds: int = 5) -> Kept:
     """The node's kept predictor (module docstring); ``model``'s head is left fitted on all
@@ -105,9 +80,11 @@ def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int
     assert raw is not None
     classes, bias = head.out_features, head.bias is not None
     start = flat_head(head)  # as fit_personal: the node's stored head, or the global one
-    shared_held, shared_full = _cross_validated(feats, y, classes, steps, lr, folds, start, bias)
-    local_held, local_full = _cross_validated(raw, y, classes, steps, lr, folds, None, True)
-    weight = mix_weights(shared_held, local_held, y, torch.ones_like(shared_held[..., 0]),
-                         MIX_WEIGHTS)
+    rows = torch.ones(y.shape, dtype=feats.dtype, device=feats.device)
+    shared_held, shared_full = cross_validated_heads(feats, y, rows, classes, steps, lr, folds,
+                                                     start, bias)
+    local_held, local_full = cross_validated_heads(raw, y, rows, classes, steps, lr, folds,
+                                                   None, True)
+    weight = mix_weights(shared_held, local_held, y, rows, MIX_WEIGHTS)
     set_head(head, shared_full[0])
     return Kept(model, local_full[0], classes, float(weight[0]))

@@ -165,7 +165,7 @@ class PrivatePlan:
     @property
     def kind(self) -> str:
         """The accountant: PLD, or integer-order RDP for discrete noise (``secure_noise``)."""
-        return DISCRETE_ACCOUNTANT if self.secure_noise else "pld"
+        return accountant_kind(self.secure_noise)
 
     @property
     def ceiling(self) -> float | None:
@@ -201,7 +201,12 @@ class PrivatePlan:
         return multiplier * mean_sensitivity(bound, 1, self.relation) / population
 
     def accountant(self) -> Accountant:
-        return Accountant(self.kind, self.relation, self.delta)
+        return self.accountant_for(self.secure_noise, self.relation, self.delta)
+
+    @staticmethod
+    def accountant_for(secure_noise: bool, relation: str, delta: float) -> Accountant:
+        """The accountant a plan's releases are composed in (known before its rounds are)."""
+        return Accountant(accountant_kind(secure_noise), relation, delta)
 
     def public(self) -> dict[str, Any]:
         """The plan as it may be published (no seeds, no paths)."""
@@ -221,6 +226,11 @@ class PrivatePlan:
                 "evaluate_rounds": list(self.evaluate_rounds) or None,
                 "user_sensitivity_factor": self.user_sensitivity_factor,
                 "projected_epsilon": self.projected_epsilon}
+
+
+def accountant_kind(secure_noise: bool) -> str:
+    """PLD, or integer-order RDP for discrete noise (``secure_noise``)."""
+    return DISCRETE_ACCOUNTANT if secure_noise else "pld"
 
 
 def evaluate_rounds(num_rounds: int, every: int | Sequence[int] | None) -> tuple[int, ...]:

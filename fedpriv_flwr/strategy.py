@@ -45,7 +45,7 @@ from flwr.serverapp import Grid, PrivacyAccountant
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, Accountant, mean_sensitivity
+from fedpriv.privacy.accounting import mean_sensitivity
 from fedpriv.privacy.discrete import CryptoRandom
 from fedpriv.privacy.mechanisms import adapted_clip
 from fedpriv.randomness import server_generator
@@ -157,7 +157,6 @@ class PrivateStrategy(FlowerDPView, Strategy):
             self._make_plan(num_rounds)
         self.flower_accountant = accountant
         self.personal_pattern = personal_layers
-        self._evaluate_every_set = evaluate_every is not None
         self.multi_user_nodes = multi_user_nodes
         self.secure_noise, self.seed = secure_noise, seed
         self.exact_metrics = exact_metrics
@@ -171,8 +170,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
             raise ValueError("resume: needs a checkpoint_path, and no accountant= (yours would "
                              "miss the rounds before the restart; fedpriv's is in the checkpoint)")
         self.clip = given.clip_norm
-        self.accountant = Accountant(DISCRETE_ACCOUNTANT if secure_noise else "pld",
-                                     given.relation, given.delta)
+        self.accountant = PrivatePlan.accountant_for(secure_noise, given.relation, given.delta)
         self.releases = 0  # index of the next noise stream
         self.offset = 0  # rounds done before this start (a resumed run)
         self.rows: list[dict[str, Any]] = []
@@ -292,7 +290,7 @@ class PrivateStrategy(FlowerDPView, Strategy):
         """Whether nodes evaluate after round ``r``: the planned rounds for private metrics
         (or with ``evaluate_every``), else whenever the inner strategy does (Flower's flow)."""
         return (r in self.plan.evaluate_rounds or not (self.plan.private_metrics
-                                                        or self._evaluate_every_set))
+                                                        or self._evaluate_every is not None))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
                            ) -> MetricRecord | None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from fedpriv_flwr.choice import MIX_WEIGHTS, Kept, _cross_validated, keep_best
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads
+from fedpriv_flwr.choice import MIX_WEIGHTS, Kept, keep_best
 from fedpriv_flwr.personal import STATE_KEY
 
 
@@ -82,10 +83,11 @@ def test_each_row_is_scored_by_heads_that_never_saw_it():
     g = torch.Generator().manual_seed(5)
     inputs = torch.randn(1, 20, 3, generator=g)
     y = torch.randint(0, 3, (1, 20), generator=g)
-    held, _ = _cross_validated(inputs, y, 3, 30, 1.0, 5, None, True)
+    mask = torch.ones(1, 20)
+    held, _ = cross_validated_heads(inputs, y, mask, 3, 30, 1.0, 5, None, True)
     flipped = y.clone()
     flipped[0, ::5] = (flipped[0, ::5] + 1) % 3  # fold 0: rows 0, 5, 10, 15
-    again, _ = _cross_validated(inputs, flipped, 3, 30, 1.0, 5, None, True)
+    again, _ = cross_validated_heads(inputs, flipped, mask, 3, 30, 1.0, 5, None, True)
     assert torch.allclose(held[0, ::5], again[0, ::5])
     assert not torch.allclose(held[0, 1::5], again[0, 1::5])
 

@@ -41,7 +41,7 @@ import torch
 
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.final_fit import accuracy_sums, functional_logits, summarize
-from fedpriv.algorithms.deep.head_fit import mix_weights
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights
 from fedpriv.algorithms.deep.params import DeepConfig
 from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock, user_block
 from fedpriv.algorithms.shared_params import MIX_WEIGHTS
@@ -65,18 +65,10 @@ def _cross_validated(inputs: torch.Tensor, scored: torch.Tensor, train: UserBloc
                      bias: bool) -> Predictions:
     """Linear heads on ``inputs`` (n, r, h) of the training rows: each fold's rows scored by
     heads fitted on the other folds, and ``scored`` (n, r', h) by heads fitted on all."""
-    def fit(mask: torch.Tensor) -> torch.Tensor:
-        return dm.fit_heads(inputs, train.y, mask, classes, config.final_head_steps,
-                            config.head_lr, start, bias)
-
-    fold = row_folds(inputs.shape[1], config.choice_folds, inputs.device)
-    held = torch.zeros(*train.y.shape, classes, dtype=inputs.dtype, device=inputs.device)
-    for j in range(min(config.choice_folds, inputs.shape[1])):
-        heads = fit(train.mask * (fold != j))
-        probs = torch.softmax(dm.head_logits(inputs, heads, classes, bias), -1)
-        held = torch.where((fold == j)[None, :, None], probs, held)
-    final = torch.softmax(dm.head_logits(scored, fit(train.mask), classes, bias), -1)
-    return held, final
+    held, heads = cross_validated_heads(inputs, train.y, train.mask, classes,
+                                        config.final_head_steps, config.head_lr,
+                                        config.choice_folds, start, bias)
+    return held, torch.softmax(dm.head_logits(scored, heads, classes, bias), -1)
 
 
 def shared_predictions(config: DeepConfig, problem: DeepProblem, model: torch.Tensor,

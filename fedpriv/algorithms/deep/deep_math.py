@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from fedpriv.algorithms.deep.head_fit import fit_heads as fit_heads  # re-exported
+from fedpriv.algorithms.deep.head_fit import head_logits as head_logits
 from fedpriv.algorithms.deep.head_fit import head_step_sizes as head_step_sizes
 from fedpriv.algorithms.deep.models import ModelSpec
 from fedpriv.privacy.mechanisms import factors_from_norms
@@ -148,21 +149,6 @@ def accuracy_and_loss(logits: torch.Tensor, y: torch.Tensor,
     ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
     loss = (ce * mask).sum(1) / count
     return right.double().cpu().numpy(), loss.double().cpu().numpy()
-
-
-def head_logits(feats: torch.Tensor, heads: torch.Tensor, num_classes: int,
-                bias: bool = True) -> torch.Tensor:
-    """Logits of per-user heads (n, H) on per-user features (n, r, h). Heads (n, k, H): k
-    heads a user, head j on the j-th of k equal groups of its rows (cross-fitting)."""
-    if heads.dim() == 3:
-        n, k, size = heads.shape
-        r, h = feats.shape[1:]
-        return head_logits(feats.reshape(n * k, r // k, h), heads.reshape(n * k, size),
-                           num_classes, bias).reshape(n, r, -1)
-    n, _, h = feats.shape
-    w = heads[:, :num_classes * h].reshape(n, num_classes, h)
-    logits = torch.einsum("nrh,nch->nrc", feats, w)
-    return logits + heads[:, num_classes * h:][:, None, :] if bias else logits
 
 
 def model_logits(spec: ModelSpec, models: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fit_heads", "head_step_sizes", "mix_weights"]
+__all__ = ["cross_validated_heads", "fit_heads", "head_logits", "head_step_sizes",
+           "mix_weights"]
 
 
 def head_step_sizes(feats: torch.Tensor, mask: torch.Tensor, lr: float) -> torch.Tensor:
@@ -81,3 +82,37 @@ def mix_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor, mask
     losses = torch.nan_to_num(losses, nan=float("inf"))  # a non-finite option is never chosen
     table = torch.tensor(weights, dtype=shared.dtype, device=shared.device)
     return table[losses.argmin(1)]  # argmin: the first of equal losses
+
+
+def head_logits(feats: torch.Tensor, heads: torch.Tensor, num_classes: int,
+                bias: bool = True) -> torch.Tensor:
+    """Logits of per-user heads (n, H) on per-user features (n, r, h). Heads (n, k, H): k
+    heads a user, head j on the j-th of k equal groups of its rows (cross-fitting)."""
+    if heads.dim() == 3:
+        n, k, size = heads.shape
+        r, h = feats.shape[1:]
+        return head_logits(feats.reshape(n * k, r // k, h), heads.reshape(n * k, size),
+                           num_classes, bias).reshape(n, r, -1)
+    n, _, h = feats.shape
+    w = heads[:, :num_classes * h].reshape(n, num_classes, h)
+    logits = torch.einsum("nrh,nch->nrc", feats, w)
+    return logits + heads[:, num_classes * h:][:, None, :] if bias else logits
+
+
+def cross_validated_heads(inputs: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                          num_classes: int, steps: int, lr: float, folds: int,
+                          init: torch.Tensor | None, bias: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k-fold cross-validation of each user's linear head on ``inputs`` (n, r, h): row place j
+    is in fold j mod k and is scored by a head fitted on the other folds (class probabilities,
+    (n, r, C)); and the heads fitted on all valid rows (n, H)."""
+    def fit(m: torch.Tensor) -> torch.Tensor:
+        return fit_heads(inputs, y, m, num_classes, steps, lr, init, bias)
+
+    fold = torch.arange(inputs.shape[1], device=inputs.device) % folds
+    held = torch.zeros(*y.shape, num_classes, dtype=inputs.dtype, device=inputs.device)
+    for j in range(min(folds, inputs.shape[1])):
+        probs = torch.softmax(head_logits(inputs, fit(mask * (fold != j)), num_classes, bias), -1)
+        held = torch.where((fold == j)[None, :, None], probs, held)
+    return held, fit(mask)
+
