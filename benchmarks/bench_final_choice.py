@@ -11,6 +11,7 @@ with the choice. The linear family prints population MSE instead (lower is bette
     python benchmarks/bench_final_choice.py                     # the deep table (~40 min, 2 cores)
     python benchmarks/bench_final_choice.py --family linear     # the linear table (~1 min)
     python benchmarks/bench_final_choice.py --seeds 0 --settings n2000 --set rounds=2
+    python benchmarks/bench_final_choice.py --methods deep-local-only     # the baseline
 
 Default: Fashion-MNIST label skew, epsilon 1, every other key at its default, seeds 0, 1, 2
 (docs: results, "Each user's final choice"; the settings of docs/defaults.md).
@@ -40,7 +41,8 @@ DEEP_SETTINGS: dict[str, dict[str, Any]] = {
 }
 DEEP_METHODS = ("deep-private-fedrep", "deep-dp-fedavg-ft")
 DEEP_COLUMNS = ("accuracy_shared", "accuracy", "accuracy_local", "chose_shared", "chose_mix",
-                "chose_local", "below_local_without_choice", "below_local")
+                "chose_local", "below_local_without_choice", "below_local", "accuracy_linear",
+                "accuracy_model")  # the last two: deep-local-only's learners (--methods)
 
 LINEAR_BASE: dict[str, Any] = {"num-users": 2000}
 LINEAR_SETTINGS: dict[str, dict[str, Any]] = {
@@ -74,8 +76,8 @@ def main() -> None:
         DEEP_METHODS if deep else LINEAR_METHODS)
     seeds = [int(s) for s in args.seeds.split(",")]
     columns = DEEP_COLUMNS if deep else LINEAR_COLUMNS
-    print("| setting | method | " + " | ".join(columns) + " | s/run |")
-    print("|---|---|" + "---|" * (len(columns) + 1))
+    print("| setting | method | " + " | ".join(columns) + " | accuracy per seed | s/run |")
+    print("|---|---|" + "---|" * (len(columns) + 2))
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             for method in methods:
@@ -85,9 +87,12 @@ def main() -> None:
                               "seed": seed}
                     rows.append(measure(values, Path(tmp) / "r.json"))
                 per_run = (time.perf_counter() - start) / len(seeds)
-                means = [float(np.mean([r[c] for r in rows])) for c in columns]
-                cells = " | ".join(f"{v:.4f}" for v in means)
-                print(f"| {name} | {method} | {cells} | {per_run:.0f} |", flush=True)
+                means = [float(np.mean([r.get(c, np.nan) for r in rows])) for c in columns]
+                cells = " | ".join("—" if np.isnan(v) else f"{v:.4f}" for v in means)
+                key = "accuracy" if deep else "population_mse"
+                seeds_cell = " / ".join(f"{r[key]:.4f}" for r in rows)
+                print(f"| {name} | {method} | {cells} | {seeds_cell} | {per_run:.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ The node has two models: the **shared** personal model (its head fitted on the c
 under ``fedrep``; that head was fitted on all the node's rows in earlier rounds, held-back folds
 included, so under ``fedrep`` the cross-validation flatters the shared model a little, the
 direction ties go too) and its **local** model (a linear softmax model on its raw inputs, fitted
-on its rows alone). It keeps the mix ``w p_shared + (1 - w) p_local`` of their class
-probabilities for the weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model)
-of least cross-entropy by k-fold cross-validation on its training rows (row j in fold j mod k;
+on its rows alone by accelerated descent). It keeps the log-linear pool ``softmax(w log p_shared
++ (1 - w) log p_local)`` of their class probabilities (the interpolation of their logits) for
+the weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model) of least
+cross-entropy by k-fold cross-validation on its training rows (row j in fold j mod k;
 both models refitted on the other folds), ties to the larger weight; then both are fitted on all
 its rows. Test rows are never read, and nothing leaves the node: a post-processing of the
 release, at no privacy cost. The returned module gives log-probabilities (its argmax is the kept
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Context
 
-from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights, pooled
 from fedpriv_flwr.heads import flat_head, head_inputs, head_module, set_head
 from fedpriv_flwr.personal import personal_phases
 
@@ -35,8 +36,8 @@ MIX_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)  # as fedpriv.algorithms.shared_params
 
 
 class Kept(torch.nn.Module):
-    """The kept predictor: log of ``w p_shared + (1 - w) p_local`` (the shared model's own
-    logits at ``w = 1``)."""
+    """The kept predictor: the log-probabilities of ``head_fit.pooled`` (the shared model's own
+    at ``w = 1``, the local model's at ``w = 0``)."""
 
     def __init__(self, model: torch.nn.Module, local: torch.Tensor, classes: int,
                  weight: float) -> None:
@@ -59,8 +60,7 @@ class Kept(torch.nn.Module):
             return torch.log_softmax(self.model(x), -1)
         if self.weight == 0.0:
             return torch.log_softmax(self.local_logits(x), -1)
-        mix = (self.weight * torch.softmax(self.model(x), -1)
-               + (1 - self.weight) * self.local_probs(x))
+        mix = pooled(self.weight, torch.softmax(self.model(x), -1), self.local_probs(x))
         return torch.log(mix.clamp_min(torch.finfo(mix.dtype).tiny))
 
 
@@ -84,7 +84,7 @@ def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int
     shared_held, shared_full = cross_validated_heads(feats, y, rows, classes, steps, lr, folds,
                                                      start, bias)
     local_held, local_full = cross_validated_heads(raw, y, rows, classes, steps, lr, folds,
-                                                   None, True)
+                                                   None, True, accelerated=True)
     weight = mix_weights(shared_held, local_held, y, rows, MIX_WEIGHTS)
     set_head(head, shared_full[0])
     return Kept(model, local_full[0], classes, float(weight[0]))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fedpriv.algorithms.deep import choice
+from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.problem import UserBlock, model_of, problem_of, user_block
 from fedpriv.params import ConfigError
 from fedpriv.registry import get_algorithm
@@ -42,7 +43,8 @@ def test_a_mix_is_chosen_where_it_is_right_on_more_rows_than_either_model():
     local = torch.tensor([[[0.9, 0.1], [0.55, 0.45]]])
     (w,) = choice.chosen_weights(shared, local, y, mask).tolist()
     assert 0.0 < w < 1.0
-    mix = w * shared + (1 - w) * local
+    mix = torch.softmax(w * shared.log() + (1 - w) * local.log(), -1)  # the log-linear pool
+    assert torch.allclose(choice.mixed(torch.tensor([w]), shared, local), mix)
     assert mix.argmax(-1).tolist() == [[0, 1]]
 
 
@@ -278,3 +280,50 @@ def test_the_benchmark_prints_the_choice_table():
         capture_output=True, text=True, timeout=300, check=True,
         cwd=Path(__file__).resolve().parents[1]).stdout
     assert "| eps1.0 | private-fedrep |" in linear
+
+
+def _nesterov_reference(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int,
+                        rate: float) -> torch.Tensor:
+    """One user's softmax regression by Nesterov's method on (W, b) directly, in float64."""
+    w = torch.zeros(classes, x.shape[1], dtype=torch.float64)
+    b = torch.zeros(classes, dtype=torch.float64)
+    last_w, last_b = w, b
+    onehot = torch.nn.functional.one_hot(y, classes).double()
+    for t in range(steps):
+        m = t / (t + 3)
+        aw, ab = w + m * (w - last_w), b + m * (b - last_b)
+        g = (torch.softmax(x @ aw.T + ab, -1) - onehot) / len(y)
+        last_w, last_b = w, b
+        w, b = aw - rate * g.T @ x, ab - rate * g.sum(0)
+    return torch.cat([w.reshape(-1), b])
+
+
+@pytest.mark.parametrize("rows", [6, 40])  # fewer rows than inputs (the Gram path), and more
+def test_the_local_models_accelerated_fit_is_nesterovs_method(rows):
+    from fedpriv.algorithms.deep.head_fit import fit_heads, head_step_sizes
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(1, rows, 12, generator=g, dtype=torch.float64)  # positive, like pixels
+    y = torch.randint(0, 3, (1, rows), generator=g)
+    mask = torch.ones(1, rows, dtype=torch.float64)
+    got = fit_heads(x, y, mask, 3, 25, 1.0, accelerated=True)
+    rate = float(head_step_sizes(x, mask, 1.0)[0])
+    assert torch.allclose(got[0], _nesterov_reference(x[0], y[0], 3, 25, rate), atol=1e-10)
+    plain = fit_heads(x, y, mask, 3, 25, 1.0)
+    assert not torch.allclose(got, plain)
+
+
+def test_accelerated_steps_fit_ill_conditioned_pixels_further_than_plain_ones():
+    """Raw pixels share a large mean: plain steps of 1/L crawl along every other direction."""
+    g = torch.Generator().manual_seed(4)
+    x = 0.8 + 0.1 * torch.randn(2, 30, 100, generator=g)  # a common mean, small variations
+    y = torch.randint(0, 4, (2, 30), generator=g)
+    mask = torch.ones(2, 30)
+
+    def loss(heads: torch.Tensor) -> torch.Tensor:
+        logits = dm.head_logits(x, heads, 4)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 4), y.reshape(-1))
+
+    plain = loss(dm.fit_heads(x, y, mask, 4, 300, 1.0))
+    fast = loss(dm.fit_heads(x, y, mask, 4, 100, 1.0, accelerated=True))
+    assert fast < 0.75 * plain  # 100 accelerated steps beyond 300 plain ones

@@ -102,7 +102,7 @@ def test_too_few_folds_and_a_train_handler_are_refused():
         keep_best(_xor_body(), train, (x, y))
 
 
-def test_a_mix_is_the_log_of_the_mixed_probabilities_and_each_output_normalised():
+def test_a_mix_is_the_log_linear_pool_of_the_two_models_and_each_output_normalised():
     x, _ = _xor_rows(30, 4)
     model = _xor_body()
     g = torch.Generator().manual_seed(6)
@@ -111,8 +111,9 @@ def test_a_mix_is_the_log_of_the_mixed_probabilities_and_each_output_normalised(
         kept = Kept(model, local, 2, w)
         with torch.no_grad():
             out = kept(x)
-            mix = w * torch.softmax(model(x), -1) + (1 - w) * kept.local_probs(x)
-        assert torch.allclose(out.exp(), mix, atol=1e-5), w
+            logits = w * torch.log_softmax(model(x), -1) + (1 - w) * torch.log_softmax(
+                kept.local_logits(x), -1)  # the interpolation of the two models' logits
+        assert torch.allclose(out, torch.log_softmax(logits, -1), atol=1e-5), w
         assert torch.allclose(out.logsumexp(-1), torch.zeros(30), atol=1e-5), w
     assert "local" in dict(kept.named_buffers())  # moves with .to() and is in state_dict
 

@@ -2,12 +2,14 @@
 "best"``, the default of the deep rounds algorithms): never worse than training alone.
 
 On its node, every user has two models at the end of a run: its **local** model (a linear
-softmax model on its raw inputs, fitted on its own training rows alone, as deep-local-only's
-linear learner) and the method's **shared** personal model (FedRep's head on the released body,
-DP-FedAvg's global model, or the global head fine-tuned). It keeps one of five predictors: the
-mix ``w * p_shared + (1 - w) * p_local`` of the two models' class probabilities for a weight
-``w`` in ``MIX_WEIGHTS`` (1: the shared model alone; 0: the local model alone; between: a mix,
-as the per-user interpolation of adaptive personalized FL, Deng et al. 2020).
+softmax model on its raw inputs, fitted on its own training rows alone by accelerated gradient
+descent, as deep-local-only's linear learner) and the method's **shared** personal model
+(FedRep's head on the released body, DP-FedAvg's global model, or the global head fine-tuned).
+It keeps one of five predictors: the log-linear pool ``softmax(w log p_shared + (1 - w) log
+p_local)`` of the two models' class probabilities (the interpolation of their logits) for a
+weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model alone; 0: the local model alone; between:
+a mix, as the per-user interpolation of adaptive personalized FL, Deng et al. 2020; not the mix
+of the probabilities, whose hedging cross-entropy rewards without more rows right).
 
 The choice is made on the user's **own training rows** by k-fold cross-validation
 (``choice-folds``): row j of a user is in fold j mod k; both models are refitted on the other
@@ -41,7 +43,7 @@ import torch
 
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.final_fit import accuracy_sums, functional_logits, summarize
-from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights, pooled
 from fedpriv.algorithms.deep.params import DeepConfig
 from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock, user_block
 from fedpriv.algorithms.shared_params import MIX_WEIGHTS
@@ -62,12 +64,12 @@ def row_folds(width: int, folds: int, device: torch.device) -> torch.Tensor:
 
 def _cross_validated(inputs: torch.Tensor, scored: torch.Tensor, train: UserBlock,
                      config: DeepConfig, classes: int, start: torch.Tensor | None,
-                     bias: bool) -> Predictions:
+                     bias: bool, accelerated: bool = False) -> Predictions:
     """Linear heads on ``inputs`` (n, r, h) of the training rows: each fold's rows scored by
     heads fitted on the other folds, and ``scored`` (n, r', h) by heads fitted on all."""
     held, heads = cross_validated_heads(inputs, train.y, train.mask, classes,
                                         config.final_head_steps, config.head_lr,
-                                        config.choice_folds, start, bias)
+                                        config.choice_folds, start, bias, accelerated)
     return held, torch.softmax(dm.head_logits(scored, heads, classes, bias), -1)
 
 
@@ -96,11 +98,11 @@ def shared_predictions(config: DeepConfig, problem: DeepProblem, model: torch.Te
 def local_predictions(config: DeepConfig, problem: DeepProblem, train: UserBlock,
                       scored: UserBlock) -> Predictions:
     """The user's own model: a linear softmax model on its raw inputs (with a bias), fitted
-    on its training rows alone."""
+    on its training rows alone by accelerated descent (as deep-local-only's linear learner)."""
     n, r = train.y.shape
     m, w = scored.y.shape
     return _cross_validated(train.x.reshape(n, r, -1), scored.x.reshape(m, w, -1), train,
-                            config, problem.spec.num_classes, None, True)
+                            config, problem.spec.num_classes, None, True, accelerated=True)
 
 
 def chosen_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor,
@@ -111,11 +113,10 @@ def chosen_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor,
 
 
 def mixed(weight: torch.Tensor, shared: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Each user's mix (n, r, C) with its weight (n,): the shared or the local model itself at
-    1 or 0, so that the other model's values (non-finite ones included) do not enter."""
-    w = weight[:, None, None]
-    mix = torch.where((w > 0) & (w < 1), w * shared + (1 - w) * local, 0.0)
-    return torch.where(w == 1, shared, torch.where(w == 0, local, mix))
+    """Each user's mix (n, r, C) with its weight (n,) (``head_fit.pooled``): the shared or the
+    local model itself at 1 or 0, so that the other model's values (non-finite ones included)
+    do not enter."""
+    return pooled(weight, shared, local)
 
 
 def _scores(probs: torch.Tensor, block: UserBlock) -> tuple[np.ndarray, np.ndarray]:

@@ -2,8 +2,9 @@
 nothing leaves it (nothing is released: epsilon 0).
 
 Two local learners, both computed for every user, vectorized over users: a linear softmax model
-on the raw inputs (``final-head-steps`` gradient steps of step ``head-lr``/L, as the heads are
-fitted), and the configured network trained alone from the common initialization
+on the raw inputs (``final-head-steps`` steps of Nesterov-accelerated gradient descent of step
+``head-lr``/L: the pixels' Gram is ill-conditioned, and plain steps, as the heads are fitted,
+stop far short), and the configured network trained alone from the common initialization
 (``final-head-steps`` full-batch steps of ``local-lr``). The run reports both
 (``accuracy_linear``, ``accuracy_model``) and, as ``accuracy`` (with its percentile and loss),
 the stronger of the two on the mean.
@@ -69,7 +70,7 @@ class DeepLocalOnly(DeepBase[DeepLocalConfig]):
         n, r = test.y.shape
         raw = train.x.reshape(*train.y.shape, -1)
         heads = dm.fit_heads(raw, train.y, train.mask, spec.num_classes,
-                             config.final_head_steps, config.head_lr)
+                             config.final_head_steps, config.head_lr, accelerated=True)
         logits = dm.head_logits(test.x.reshape(n, r, -1), heads, spec.num_classes)
         acc, loss = dm.accuracy_and_loss(logits, test.y, test.mask)
         sums.update(accuracy_sums(acc, loss, test.counts, "lin"))
