@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Context
 
-from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights, pooled
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights
 from fedpriv_flwr.heads import flat_head, head_inputs, head_module, set_head
 from fedpriv_flwr.personal import personal_phases
 
@@ -60,8 +60,10 @@ class Kept(torch.nn.Module):
             return torch.log_softmax(self.model(x), -1)
         if self.weight == 0.0:
             return torch.log_softmax(self.local_logits(x), -1)
-        mix = pooled(self.weight, torch.softmax(self.model(x), -1), self.local_probs(x))
-        return torch.log(mix.clamp_min(torch.finfo(mix.dtype).tiny))
+        # head_fit.pooled, in log space (no probability underflows at large logit gaps)
+        shared = torch.log_softmax(self.model(x), -1)
+        local = torch.log_softmax(self.local_logits(x), -1)
+        return torch.log_softmax(self.weight * shared + (1 - self.weight) * local, -1)
 
 
 def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int = 100,

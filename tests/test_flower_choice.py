@@ -118,6 +118,28 @@ def test_a_mix_is_the_log_linear_pool_of_the_two_models_and_each_output_normalis
     assert "local" in dict(kept.named_buffers())  # moves with .to() and is in state_dict
 
 
+def test_the_nodes_own_model_is_fedprivs_accelerated_local_fit():
+    from fedpriv.algorithms.deep.head_fit import fit_heads
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.rand(40, 4, generator=g)  # positive inputs, like pixels
+    y = (x[:, 0] > x[:, 1]).long()
+    kept = keep_best(_xor_body(), _context(), (x, y))
+    rows = torch.ones(1, 40)
+    assert torch.allclose(kept.get_buffer("local"),
+                          fit_heads(x[None], y[None], rows, 2, 100, 1.0, accelerated=True)[0])
+    assert not torch.allclose(kept.get_buffer("local"),
+                              fit_heads(x[None], y[None], rows, 2, 100, 1.0)[0])
+
+
+def test_pooled_refuses_a_weight_shape_it_would_broadcast_by_rows():
+    from fedpriv.algorithms.deep.head_fit import pooled
+
+    probs = torch.full((3, 3), 1 / 3)  # one user's (rows, classes), without the user axis
+    with pytest.raises(ValueError, match="one weight"):
+        pooled(torch.tensor([1.0, 0.5, 0.0]), probs, probs)
+
+
 def test_a_shuffled_dataloader_in_batches_gives_the_pair_s_choice():
     from torch.utils.data import DataLoader, TensorDataset
 

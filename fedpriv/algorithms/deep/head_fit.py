@@ -34,7 +34,7 @@ def fit_heads(feats: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_clas
 
     ``accelerated``: Nesterov's momentum (``t / (t + 3)`` at step t), same step size; the
     users' local models on raw pixels use it (the pixels' Gram is ill-conditioned: 100
-    accelerated steps reach what 1,000 plain ones do; docs: results)."""
+    accelerated steps reach what 1,000 plain ones do; docs: measurements)."""
     n, r, h = feats.shape
     rate = head_step_sizes(feats, mask, lr)
     c = num_classes
@@ -89,6 +89,9 @@ def pooled(weight: torch.Tensor | float, shared: torch.Tensor, local: torch.Tens
     log p_local)``, i.e. the interpolation of the two models' logits; each model itself at
     ``w`` = 1 or 0, so the other model's values (non-finite ones included) do not enter."""
     w = torch.as_tensor(weight, dtype=shared.dtype, device=shared.device)
+    if w.dim() not in (0, shared.dim() - 2):
+        raise ValueError(f"pooled: one weight, or one a user of (users, rows, classes); got "
+                         f"weights {tuple(w.shape)} for {tuple(shared.shape)}")
     w = w.reshape(*w.shape, *[1] * (shared.dim() - w.dim()))
     tiny = torch.finfo(shared.dtype).tiny
     inner = (w > 0) & (w < 1)
