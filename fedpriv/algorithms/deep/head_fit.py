@@ -154,4 +154,3 @@ def cross_validated_heads(inputs: torch.Tensor, y: torch.Tensor, mask: torch.Ten
         probs = torch.softmax(head_logits(inputs, fit(mask * (fold != j)), num_classes, bias), -1)
         held = torch.where((fold == j)[None, :, None], probs, held)
     return held, fit(mask)
-
