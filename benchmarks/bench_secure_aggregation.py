@@ -17,6 +17,8 @@ reference, everything else equal: Private FedRep on synthetic data (dim 50, rank
 
     python benchmarks/bench_secure_aggregation.py --quick    # smoke: 4 nodes, 1 round
     python benchmarks/bench_secure_aggregation.py            # 10, 50, 100 nodes, 2 rounds
+    python benchmarks/bench_secure_aggregation.py --nodes 10 100 1000 --engines inprocess \
+        flower --fault-rate 0.1                  # SecAgg+ neighbourhoods, 10% crashing
     python benchmarks/bench_secure_aggregation.py --table results/bench_secure/bench.json
                                           # writes bench.json (after every run) and bench.png
 """
@@ -70,7 +72,8 @@ def workload(nodes: int, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     return {"algorithm": "private-fedrep", "num-users": nodes * args.users_per_node,
             "users-per-node": args.users_per_node, "dim": args.dim, "rank": args.rank,
             "samples-per-user": 10, "epsilon": 1.0, "delta": 1e-6, "accountant": "rdp",
-            "rounds": args.rounds, "seed": 0, "aggregation": mode}
+            "rounds": args.rounds, "seed": 0, "aggregation": mode,
+            **({"node-fault-rate": args.fault_rate} if args.fault_rate else {})}
 
 
 def flower_bytes(content: Any, message_type: str, reply: bool) -> int:
@@ -403,6 +406,9 @@ def main() -> None:
     parser.add_argument("--flower-nodes", type=int, nargs="*",
                         help="node counts run in the simulation engine (default: all)")
     parser.add_argument("--rounds", type=int, help="training rounds (default 2; --quick 1)")
+    parser.add_argument("--fault-rate", type=float, default=0.0,
+                        help="node-fault-rate: the share of nodes that crash in each step (a "
+                             "secure node after it shared its keys); default 0")
     parser.add_argument("--repeats", type=int, default=1, help="in-process runs per point "
                         "(the one with the least s/round is kept; all are saved)")
     for name, default in (("--dim", 50), ("--rank", 2), ("--users-per-node", 20)):
@@ -424,6 +430,7 @@ def main() -> None:
     record: dict[str, Any] = {
         "quick": args.quick, "nodes": nodes, "rounds": args.rounds, "dim": args.dim,
         "rank": args.rank, "users_per_node": args.users_per_node, "cpus": os.cpu_count(),
+        "fault_rate": args.fault_rate,
         "mem_available_gb": meminfo(*AVAILABLE) / 2**30, "runs": [], "skipped": []}
 
     def save() -> None:
@@ -487,7 +494,8 @@ def main() -> None:
     record["plot"] = plot(record["runs"], out / "bench.png")
     save()
     print(f"\n{args.rounds} round(s), Private FedRep dim {args.dim} rank {args.rank}, "
-          f"{args.users_per_node} users per node, {os.cpu_count()} CPUs; per round = mean over "
+          f"{args.users_per_node} users per node, node-fault-rate {args.fault_rate:g}, "
+          f"{os.cpu_count()} CPUs; per round = mean over "
           "steps round-*; bytes: fedpriv payload (arrays at nbytes, numbers at 8 B) and "
           "Flower's protobuf; * = counted in process (same messages)\n")
     print("\n".join(table(record["runs"])))

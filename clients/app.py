@@ -144,7 +144,7 @@ def _secure(msg: Message, context: Context, stage: str) -> Message:
         arrays = {k: v for k, v in payload.items() if isinstance(v, np.ndarray)}
         reply = secure.setup(config, pid, parts, state, payload, arrays, compute)
     elif stage == "share-keys":
-        reply = secure.share_keys(pid, state, payload)
+        reply = secure.share_keys(pid, parts, state, payload)
     elif stage == "collect":
         if state.get("fault") and config.node_fault_kind == "crash":
             raise RuntimeError(f"simulated crash of partition {pid} mid-protocol "

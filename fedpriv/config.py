@@ -108,9 +108,22 @@ class RunConfig:
         "sized so that the other nodes' shares alone carry the planned noise",
         lambda x: 0 <= x < 1, "a number in [0, 1) (at 1 no honest node's noise would be left)"))
     secure_threshold: int = key(Param(
-        "secure-threshold", int, 0, "secure: the nodes needed to unmask a round (Shamir "
-        "threshold); 0 = a majority of the nodes, and always more than the nodes that may "
-        "collude (collusion-threshold)", lambda x: x >= 0, "an integer >= 0 (0: automatic)"))
+        "secure-threshold", int, 0, "secure: the shares needed to rebuild a node's secrets "
+        "(Shamir threshold): of all nodes (complete graph: 0 = a majority, and always more "
+        "than the nodes that may collude, collusion-threshold), or of a neighbourhood "
+        "(secure-neighbours: 0 = the smallest meeting the privacy target)", lambda x: x >= 0,
+        "an integer >= 0 (0: automatic)"))
+    secure_neighbours: int = key(Param(
+        "secure-neighbours", int, 0, "secure: the neighbours each node shares keys and masks "
+        "with (SecAgg+; even; the threshold then counts within a neighbourhood); 0 = the "
+        "fewest that keep a round's privacy failure below 2^-40 and its completion failure "
+        "below 2^-20 (collusion-threshold, secure-dropout), or every other node below 64 "
+        "nodes or where that is not at least half as many", lambda x: x >= 0,
+        "an integer >= 0 (0: automatic)"))
+    secure_dropout: float = key(Param(
+        "secure-dropout", float, 0.1, "secure: the fraction of nodes (rounded down) that may "
+        "drop out mid-round, which the neighbourhoods are sized to survive",
+        lambda x: 0 <= x < 1, "a number in [0, 1)"))
     modulus_bits: int = key(Param(
         "modulus-bits", int, 0, "distributed: bits b of the modular sum (mod 2^b); 0 = the "
         "smallest b whose wrap-around probability is at most 1e-9",
@@ -189,6 +202,9 @@ class RunConfig:
                               '= "distributed" or "secure"; remove it')
         if self.secure_threshold and self.aggregation != "secure":
             raise ConfigError(f"secure-threshold: {self.secure_threshold} is only used with "
+                              'aggregation = "secure"; remove it')
+        if self.secure_neighbours and self.aggregation != "secure":
+            raise ConfigError(f"secure-neighbours: {self.secure_neighbours} is only used with "
                               'aggregation = "secure"; remove it')
         if self.max_epsilon and self.epsilon > self.max_epsilon:
             raise ConfigError(f"epsilon: the target {self.epsilon} exceeds max-epsilon "

@@ -44,7 +44,7 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
                 continue
             if server.secure:
                 server.aggregate_secure(step, SecureRound(
-                    local.send, step, arrays, range(parts), server.threshold, server.history(),
+                    local.send, step, arrays, range(parts), server.graph, server.history(),
                     log).run(), t0)
                 continue
             failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)

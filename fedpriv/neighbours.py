@@ -328,7 +328,7 @@ class _Harness:
             if not server.secure:
                 return replies(cls, config, step, arrays, self.parts, self.noise)
             nodes = _Nodes(config, cls, self.parts, self.noise)
-            return SecureRound(nodes.send, step, arrays, range(self.parts), server.threshold,
+            return SecureRound(nodes.send, step, arrays, range(self.parts), server.graph,
                                server.history(), lambda _: None).run()
 
     def _on_a_copy(self, step: Step, arrays: dict[str, np.ndarray],

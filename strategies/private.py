@@ -208,7 +208,7 @@ class PrivateStrategy(Strategy):
                 continue
             if self.server.secure:  # the server sees only the masked vectors and their sum
                 outcome = SecureRound(self._secure_send(grid), step, self.server.payload(step),
-                                      sorted(self.partitions.values()), self.server.threshold,
+                                      sorted(self.partitions.values()), self.server.graph,
                                       self.server.history(), _log).run()
                 self.server.aggregate_secure(step, outcome, self._started)
                 continue

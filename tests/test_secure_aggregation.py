@@ -27,6 +27,7 @@ from fedpriv.configure import parse_config
 from fedpriv.faults import failing_partitions
 from fedpriv.privacy.quantize import ring_sum
 from fedpriv.secagg import crypto as C
+from fedpriv.secagg import shamir
 from fedpriv.secagg.node import (
     COUNT_BITS,
     COUNTS,
@@ -138,7 +139,7 @@ def test_an_inconsistent_unmask_request_stops_the_round_and_releases_nothing(
         if label == "round-1" and stage == "unmask":
             before["ledger"] = ledger_of(record)
             before["rounds"] = len(record.servers[-1].rounds)
-            t = record.servers[-1].threshold
+            t = record.servers[-1].graph.t
             return {p: lie(m, t) for p, m in messages.items()}
         return messages
 
@@ -167,8 +168,11 @@ def test_a_node_refuses_a_threshold_outside_2_to_the_nodes():
     server.close()
     for t in (1, K + 1):
         with pytest.raises(RoundRefused, match="threshold"):
-            node_setup(cfg, 0, K, {}, {**msg, "threshold": t}, arrays,
+            node_setup(cfg, 0, K, {}, {**msg, "threshold": t, "neighbours": K - 1}, arrays,
                        lambda *_: pytest.fail("computed before the check"))
+    with pytest.raises(RoundRefused, match="with 4 neighbours is not the run's"):  # not a ring
+        node_setup(cfg, 0, K, {}, {**msg, "threshold": 6, "neighbours": 4}, arrays,
+                   lambda *_: pytest.fail("computed before the check"))
 
 
 def test_a_node_refuses_a_threshold_the_colluders_reach():
@@ -180,8 +184,8 @@ def test_a_node_refuses_a_threshold_the_colluders_reach():
     arrays = server.payload(step)
     server.close()
     msg = {"round": b"r" * 16, "step": step.to_json(), "history-labels": [],
-           "history-rho": [], "threshold": 3}
-    with pytest.raises(RoundRefused, match="threshold 3 is not the run's"):
+           "history-rho": [], "threshold": 3, "neighbours": K - 1}
+    with pytest.raises(RoundRefused, match="threshold 3 with 9 neighbours is not the run's"):
         node_setup(cfg, 0, K, {}, msg, arrays, lambda *_: pytest.fail("computed"))
 
 
@@ -385,19 +389,51 @@ def test_share_plaintexts_name_their_pair():
     a, b, c = (C.key_pair() for _ in range(3))
     text = C.encrypt(C.cipher_key(a[0], b[1]), plain)
     assert C.decrypt(C.cipher_key(b[0], a[1]), text) == plain
-    with pytest.raises(Exception):  # noqa: B017 -- Fernet's InvalidToken
+    with pytest.raises(Exception):  # noqa: B017 -- the AEAD's InvalidTag
         C.decrypt(C.cipher_key(c[0], a[1]), text)
+
+
+def _solve_mod(rows, rhs, p):
+    """Gaussian elimination modulo the prime ``p`` (an independent check of the sharing)."""
+    n = len(rows)
+    a = [list(r) + [b] for r, b in zip(rows, rhs, strict=True)]
+    for c in range(n):
+        pivot = next(r for r in range(c, n) if a[r][c] % p)
+        a[c], a[pivot] = a[pivot], a[c]
+        inv = pow(a[c][c], p - 2, p)
+        a[c] = [x * inv % p for x in a[c]]
+        for r in range(n):
+            if r != c and a[r][c]:
+                f = a[r][c]
+                a[r] = [(x - f * y) % p for x, y in zip(a[r], a[c], strict=True)]
+    return [row[-1] for row in a]
 
 
 def test_shamir_shares_need_the_threshold():
     secret = bytes(range(32))
-    shares = C.create_shares(secret, 3, 5)
-    assert C.combine_shares(shares[:3]) == secret
-    assert C.combine_shares([shares[4], shares[1], shares[2]]) == secret
-    try:  # two shares determine nothing: garbage, or a padding error
-        assert C.combine_shares(shares[:2]) != secret
+    points = [3, 9, 10, 17, 40]
+    shares = shamir.split(secret, 3, points)
+    assert [shamir.point(s) for s in shares] == points
+    assert shamir.combine(shares[:3]) == secret
+    assert shamir.combine([shares[4], shares[1], shares[2]]) == secret
+    assert shamir.combine(shares) == secret  # more than the threshold: the same secret
+    # independently: the shares are a degree-2 polynomial whose constant term is 0x01||secret
+    values = [int.from_bytes(s[4:], "little") for s in shares[:3]]
+    coeffs = _solve_mod([[1, x, x * x] for x in points[:3]], values, shamir.PRIME)
+    assert coeffs[0] == int.from_bytes(b"\x01" + secret, "big")
+    fourth = sum(c * points[3] ** i for i, c in enumerate(coeffs)) % shamir.PRIME
+    assert fourth == int.from_bytes(shares[3][4:], "little")
+    try:  # two shares determine nothing: garbage, or a refusal
+        assert shamir.combine(shares[:2]) != secret
     except ValueError:
         pass
+    assert shamir.combine(shamir.split(b"\x00\x00ab", 2, [1, 2])) == b"\x00\x00ab"
+    for bad in (lambda: shamir.split(bytes(65), 2, [1, 2]), lambda: shamir.split(secret, 3, [1, 2]),
+                lambda: shamir.split(secret, 2, [1, 1]), lambda: shamir.combine([b"x"]),
+                lambda: shamir.combine([shares[0], shares[0]])):
+        with pytest.raises(ValueError):
+            bad()
+
 
 
 def test_layout_join_split_round_trip_and_range():

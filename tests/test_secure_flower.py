@@ -358,7 +358,7 @@ def test_the_override_settings_are_a_valid_secure_run_for_the_composes_nodes():
     assert config.aggregation == "secure" and config.noise_shares
     nodes = dep.Deployment().num_nodes
     assert len([s for s in _compose_services() if s.startswith("supernode-")]) == nodes
-    assert check_threshold(config, nodes) == 2  # majority of 3; floor(0.1 * 3) = 0 colluders
+    assert check_threshold(config, nodes).t == 2  # majority of 3; floor(0.1 * 3) = 0 colluders
     assert check_run(config, num_partitions=nodes).secure
     quick = parse_config({**overrides, "num-users": 300, "rounds": 1})
     ran = run_in_process(quick, num_partitions=nodes, log=lambda _: None)

@@ -56,7 +56,7 @@ class LocalNodes:
             return N.setup(self.config, pid, self.nodes, state, msg, arrays,
                            lambda step, arr: self._compute(pid, step, arr))
         if stage == "share-keys":
-            return N.share_keys(pid, state, msg)
+            return N.share_keys(pid, self.nodes, state, msg)
         if stage == "collect":
             return N.collect(pid, state, msg)
         if stage == "unmask":

@@ -34,6 +34,8 @@ from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, ZCDP, epsilon_of
 from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.quantize import from_ring, padded_dim, to_ring
 from fedpriv.secagg import crypto as C
+from fedpriv.secagg import graph as G
+from fedpriv.secagg import shamir
 from fedpriv.shares import DISTRIBUTED_KEY
 
 COUNT_BITS = 62  # the counts segment: modulo 2^62
@@ -205,11 +207,11 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     params = arrays.get(DISTRIBUTED_KEY)
     history = dict(zip(msg["history-labels"], msg["history-rho"], strict=True))
     seen = dict(zip(state.get("seen-labels", []), state.get("seen-rho", []), strict=True))
-    from fedpriv.server.discrete import threshold
-
-    if int(msg["threshold"]) != threshold(config, nodes) or not 2 <= int(msg["threshold"]) <= nodes:
-        raise RoundRefused(f"threshold {msg['threshold']} is not the run's "
-                           f"({threshold(config, nodes)} of {nodes} nodes)")
+    graph = G.plan(config, nodes)
+    t, k = int(msg["threshold"]), int(msg["neighbours"])
+    if (t, k) != (graph.t, graph.k) or not 2 <= t <= min(k + 1, nodes):
+        raise RoundRefused(f"threshold {t} with {k} neighbours is not the run's ({graph.t} "
+                           f"with {graph.k} of {nodes} nodes)")
     check_round(config, nodes, step, params, history, seen)
     plans = [[p.l2, p.l1, p.node_variance] for p in expected_shares(config, nodes, step)]
     contrib = compute(step, arrays)
@@ -222,7 +224,8 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     for key in [k for k in state if k.startswith("round/")]:
         del state[key]  # a new round forgets the last one's secrets
     state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
-                  "round/threshold": int(msg["threshold"]), "round/layout": json.dumps(
+                  "round/threshold": t, "round/k": k, "round/minimum": graph.minimum,
+                  "round/layout": json.dumps(
                       layout.to_json()),
                   "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
                   "round/s-seed": s_seed,
@@ -236,39 +239,54 @@ def _check_round_id(state: Mapping[str, Any], msg: Mapping[str, Any]) -> None:
         raise RoundRefused("a message for a round this node has not set up")
 
 
-def share_keys(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str, Any]:
-    """Stage 2: the server forwards the public keys of the nodes that answered stage 1 (U1);
-    share the mask seed ``b_u`` and the mask key ``s_sk`` among them (Shamir, threshold t),
-    each share encrypted for its holder."""
+def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, Any]
+               ) -> dict[str, Any]:
+    """Stage 2: the server names the nodes that answered stage 1 (U1, a bitmap), the beacon
+    nodes' keys and this node's neighbours' keys; the node computes its neighbours itself
+    (``fedpriv.secagg.graph``), refuses another list, and shares its mask seed ``b_u`` and its
+    mask key ``s_sk`` among itself and them (Shamir, threshold t; a share's point is its
+    holder's index in U1 plus one), each share encrypted for its holder."""
     _check_round_id(state, msg)
-    u1 = [int(v) for v in msg["nodes"]]
-    t = int(state["round/threshold"])
+    t, k = int(state["round/threshold"]), int(state["round/k"])
     if json.loads(str(msg["layout"])) != json.loads(state["round/layout"]):
         raise RoundRefused("the server's vector layout is not this node's")
-    if len(set(u1)) != len(u1) or pid not in u1 or len(u1) < t:
-        raise RoundRefused(f"the key list has {len(u1)} nodes (threshold {t}), duplicates or "
-                           "not this node")
-    c_pks, s_pks = list(msg["c-pks"]), list(msg["s-pks"])
-    me = u1.index(pid)
-    if c_pks[me] != state["round/c-pk"] or s_pks[me] != state["round/s-pk"]:
-        raise RoundRefused("the server forwarded another public key for this node")
+    try:
+        u1 = G.members(np.asarray(msg["nodes"]), nodes)
+    except ValueError as err:
+        raise RoundRefused(str(err)) from None
+    if pid not in u1 or len(u1) < int(state["round/minimum"]):
+        raise RoundRefused(f"the key list has {len(u1)} nodes (at least "
+                           f"{state['round/minimum']} needed) or not this node")
+    beacon = [bytes(b) for b in msg["beacon"]]
+    if len(beacon) != min(G.BEACON, len(u1)) or (
+            pid in u1[:G.BEACON] and beacon[u1.index(pid)] != state["round/c-pk"]):
+        raise RoundRefused("the server forwarded other beacon keys than the nodes made")
+    mine = G.neighbours(G.ring(u1, G.graph_seed(state["round/id"], u1, beacon)), k, pid)
+    if [int(v) for v in msg["peers"]] != mine:
+        raise RoundRefused("the server's neighbour list is not this round's graph")
+    if len(mine) + 1 < t:
+        raise RoundRefused(f"{len(mine)} neighbours cannot hold {t} shares")
+    c_pks, s_pks = [bytes(b) for b in msg["c-pks"]], [bytes(b) for b in msg["s-pks"]]
+    if len(c_pks) != len(mine) or len(s_pks) != len(mine):
+        raise RoundRefused("a key missing for a neighbour")
+    holders = sorted([pid, *mine])
+    index = {v: i for i, v in enumerate(u1)}
+    points = [index[h] + 1 for h in holders]
     seed = secrets.token_bytes(C.SEED_BYTES)
-    seed_shares = C.create_shares(seed, t, len(u1))
-    key_shares = C.create_shares(state["round/s-seed"], t, len(u1))
-    dst, out, cipher_keys = [], [], []
+    seed_shares = shamir.split(seed, t, points)
+    key_shares = shamir.split(state["round/s-seed"], t, points)
+    out, cipher_keys = [], []
     c_sk = C.private_key(state["round/c-sk"])
-    for i, v in enumerate(u1):
-        if v == pid:
-            cipher_keys.append(b"")
-            continue
-        plain = C.pack_share(pid, v, seed_shares[i], key_shares[i])
-        cipher_keys.append(C.cipher_key(c_sk, c_pks[i]))
-        out.append(C.encrypt(cipher_keys[-1], plain))
-        dst.append(v)
-    state.update({"round/u1": u1, "round/c-pks": c_pks, "round/s-pks": s_pks,
-                  "round/seed": seed, "round/own-seed-share": seed_shares[me],
+    at = {v: i for i, v in enumerate(holders)}
+    for v, c_pk in zip(mine, c_pks, strict=True):
+        cipher_keys.append(C.cipher_key(c_sk, c_pk))
+        out.append(C.encrypt(cipher_keys[-1], C.pack_share(pid, v, seed_shares[at[v]],
+                                                           key_shares[at[v]])))
+    me = holders.index(pid)
+    state.update({"round/peers": mine, "round/s-pks": s_pks, "round/seed": seed,
+                  "round/own-seed-share": seed_shares[me],
                   "round/own-key-share": key_shares[me], "round/cipher-keys": cipher_keys})
-    return {"dst": dst, "ciphertexts": out, "seed-digest": C.digest(seed)}
+    return {"dst": mine, "ciphertexts": out, "seed-digest": C.digest(seed)}
 
 
 def pair_sign(u: int, v: int) -> int:
@@ -280,29 +298,34 @@ def collect(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str
     """Stage 3: decrypt the shares held for the others (from the nodes of U2, who answered
     stage 2), then send the contribution masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)``."""
     _check_round_id(state, msg)
-    u1 = state["round/u1"]
+    peers = [int(v) for v in state["round/peers"]]
     src = [int(v) for v in msg["src"]]
-    if len(set(src)) != len(src) or pid in src or not set(src) <= set(u1):
-        raise RoundRefused("the shares come from unknown or repeated nodes")
+    if len(set(src)) != len(src) or not set(src) <= set(peers):
+        raise RoundRefused("the shares come from nodes that are not this node's neighbours, "
+                           "or repeated")
     u2 = sorted([*src, pid])
     if len(u2) < int(state["round/threshold"]):
-        raise RoundRefused(f"only {len(u2)} nodes shared keys (threshold "
-                           f"{state['round/threshold']})")
+        raise RoundRefused(f"only {len(u2)} nodes of this neighbourhood shared keys "
+                           f"(threshold {state['round/threshold']})")
     seeds, keys = [], []
+    slot = {v: i for i, v in enumerate(peers)}
     for v, ciphertext in zip(src, msg["ciphertexts"], strict=True):
-        plain = C.decrypt(state["round/cipher-keys"][u1.index(v)], bytes(ciphertext))
+        plain = C.decrypt(state["round/cipher-keys"][slot[v]], bytes(ciphertext))
         seed_share, key_share = C.unpack_share(plain, v, pid)
         seeds.append(seed_share)
         keys.append(key_share)
     layout = C.Layout.from_json(json.loads(state["round/layout"]))
-    masked = C.add(np.asarray(state["round/vector"], dtype=np.uint64),
-                   C.mask(state["round/seed"], layout), layout)
+    total = np.array(state["round/vector"], dtype=np.uint64)
+    total += C.mask(state["round/seed"], layout)  # uint64 wraps modulo 2^64: reduced below
     purpose = b"pair/" + state["round/id"]
     s_sk = C.private_key(state["round/s-sk"])
     for v in src:
-        pk = state["round/s-pks"][u1.index(v)]
-        masked = C.add(masked, C.mask(C.agree(s_sk, pk, purpose), layout), layout,
-                       pair_sign(pid, v))
+        pair = C.mask(C.agree(s_sk, state["round/s-pks"][slot[v]], purpose), layout)
+        if pair_sign(pid, v) > 0:
+            total += pair
+        else:
+            total -= pair
+    masked = total & layout.moduli()
     state.update({"round/u2": u2, "round/held-from": src, "round/held-seed": seeds,
                   "round/held-key": keys})
     del state["round/vector"]  # the exact contribution is not kept past this stage
@@ -311,9 +334,10 @@ def collect(pid: int, state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str
 
 def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
            msg: Mapping[str, Any]) -> dict[str, Any]:
-    """Stage 4: the consistency check (no node both active and dropped, every node of U2 one
-    or the other, at least the threshold active, this node among them), then the shares of the
-    active nodes' mask seeds and of the dropped nodes' mask keys, never both for one node."""
+    """Stage 4: the consistency check on this node's neighbourhood (no node both active and
+    dropped, every neighbour of U2 one or the other, at least the threshold active, this node
+    among them; the round's survivors at least its minimum), then the shares of the active
+    nodes' mask seeds and of the dropped nodes' mask keys, never both for one node."""
     _check_round_id(state, msg)
     active = [int(v) for v in msg["active"]]
     dropped = [int(v) for v in msg["dropped"]]
@@ -322,24 +346,26 @@ def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     if set(active) & set(dropped):
         raise RoundRefused(f"nodes {sorted(set(active) & set(dropped))} are reported both "
                            "active and dropped: refusing to reveal both of their shares")
+    survivors = int(msg["survivors"])
     if (len(set(active)) != len(active) or len(set(dropped)) != len(dropped)
-            or set(active) | set(dropped) != u2 or pid not in active or len(active) < t):
+            or set(active) | set(dropped) != u2 or pid not in active or len(active) < t
+            or not max(len(active), int(state["round/minimum"])) <= survivors <= nodes):
         raise RoundRefused(f"inconsistent unmask request: {len(active)} active, "
-                           f"{len(dropped)} dropped, {len(u2)} nodes sent masked keys, "
-                           f"threshold {t}")
-    held_from = state["round/held-from"]
+                           f"{len(dropped)} dropped, {len(u2)} nodes of this neighbourhood "
+                           f"sent masked keys, threshold {t}, {survivors} survivors")
+    held_at = {v: i for i, v in enumerate(state["round/held-from"])}
     seed_of, seed_shares, key_of, key_shares = [], [], [], []
     for v in active:
         seed_of.append(v)
         seed_shares.append(state["round/own-seed-share"] if v == pid
-                           else state["round/held-seed"][held_from.index(v)])
+                           else state["round/held-seed"][held_at[v]])
     for v in dropped:
         key_of.append(v)
-        key_shares.append(state["round/held-key"][held_from.index(v)])
+        key_shares.append(state["round/held-key"][held_at[v]])
     step = Step.from_json(state["round/step"])
     from fedpriv.server.discrete import honest_count  # remember what this round cost
 
-    honest = max(honest_count(config, nodes, len(active)), 1)
+    honest = max(honest_count(config, nodes, survivors), 1)
     rho = float(sum(skellam_rho(l2, l1, variance * honest)
                     for l2, l1, variance in json.loads(state["round/plans"])))
     state["seen-labels"] = [*state.get("seen-labels", []), step.label]

@@ -77,7 +77,7 @@ class PrivateServer:
         self.distributed = config.noise_shares and bool(self.plan)
         self.secure = config.aggregation == "secure" and bool(self.plan)
         if self.secure:
-            self.threshold = check_threshold(config, num_partitions)
+            self.graph = check_threshold(config, num_partitions)
         if self.distributed:  # a modulus too small fails now, before round 1
             seen = set()
             for step in self.steps():

@@ -44,6 +44,7 @@ from fedpriv.privacy.accounting import DISCRETE_ACCOUNTANT, PlannedRelease
 from fedpriv.privacy.bounds import skellam_rho
 from fedpriv.privacy.grid import FLOAT_SLACK, SLACK_FACTOR, granularity
 from fedpriv.privacy.quantize import modulus_bits_needed, padded_dim, wrap_probability
+from fedpriv.secagg.graph import plan
 from fedpriv.shares import BETA
 
 WRAP_TARGET = 1e-9
@@ -131,11 +132,13 @@ def honest_minimum(config: RunConfig, nodes: int) -> int:
     return nodes - math.floor(config.collusion_threshold * nodes)
 
 
-def threshold(config: RunConfig, nodes: int) -> int:
-    """Secure aggregation's Shamir threshold ``t``: ``secure-threshold``, or by default a
-    majority of the nodes (and always more than the nodes that may collude)."""
-    colluders = math.floor(config.collusion_threshold * nodes)
-    return config.secure_threshold or max(nodes // 2 + 1, colluders + 1, 2)
+def _graph_entry(config: RunConfig, nodes: int) -> dict[str, Any]:
+    """The secure rounds' neighbourhoods, threshold and the failure bounds they were sized for."""
+    p = plan(config, nodes)
+    return {"secure_threshold": p.t, "secure_neighbours": p.k,
+            "secure_graph": "complete" if p.complete(nodes) else "ring (SecAgg+)",
+            "secure_privacy_failure_per_round": p.privacy_failure,
+            "secure_completion_failure_per_round": p.completion_failure}
 
 
 def honest_count(config: RunConfig, nodes: int, answered: int) -> int:
@@ -290,7 +293,7 @@ def trust(config: RunConfig, nodes: int) -> dict[str, Any]:
                "a simulated modular sum: the server sees each node's noisy share")),
             "collusion_threshold": config.collusion_threshold,
             "honest_nodes_guaranteed": honest_minimum(config, nodes),
-            **({"secure_threshold": threshold(config, nodes)} if secure else {}),
+            **(_graph_entry(config, nodes) if secure else {}),
             "server_receives": SERVER_VIEW[config.aggregation],
             "hostile_node": HOSTILE_NODE,
             "noise": ("skellam shares from each node's ChaCha20 stream keyed by the OS (numpy's "

@@ -37,8 +37,9 @@ import numpy as np
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.config import ConfigError, RunConfig
 from fedpriv.secagg import crypto as C
+from fedpriv.secagg import graph as G
+from fedpriv.secagg import shamir
 from fedpriv.secagg.node import COUNTS, Failure, own_layout, pair_sign, read_counts
-from fedpriv.server.discrete import threshold
 from fedpriv.shares import DISTRIBUTED_KEY
 
 STAGES = ("setup", "share-keys", "collect", "unmask")
@@ -53,13 +54,18 @@ class SecureAggregationError(RuntimeError):
     """Too few nodes were left to unmask a round: nothing of it was released."""
 
 
-def check_threshold(config: RunConfig, nodes: int) -> int:
-    """Refuse, before round 1, a threshold the layout cannot meet or that colluders reach."""
-    t = threshold(config, nodes)
-    colluders = math.floor(config.collusion_threshold * nodes)
+def check_threshold(config: RunConfig, nodes: int) -> G.GraphPlan:
+    """The run's neighbourhoods and threshold, or a ``ConfigError`` naming the key, before
+    round 1: a threshold the nodes cannot meet or that colluders reach (the complete graph),
+    neighbourhoods that miss the failure targets (``fedpriv.secagg.graph.check``)."""
     if nodes < 2:
         raise ConfigError(f"aggregation: secure aggregation needs at least 2 nodes, the run has "
                           f"{nodes} (set users-per-node so that num-users makes several nodes)")
+    plan = G.check(config, nodes)
+    if not plan.complete(nodes):
+        return plan
+    t = plan.t
+    colluders = math.floor(config.collusion_threshold * nodes)
     if t > nodes:
         raise ConfigError(f"secure-threshold: {t} exceeds the number of nodes ({nodes}): no "
                           "round could be unmasked")
@@ -67,7 +73,7 @@ def check_threshold(config: RunConfig, nodes: int) -> int:
         raise ConfigError(f"secure-threshold: {t} must exceed the nodes that may collude with "
                           f"the server (floor(collusion-threshold * {nodes}) = {colluders}) and "
                           "be at least 2, or they could unmask a single node's vector")
-    return t
+    return plan
 
 
 @dataclass
@@ -104,10 +110,11 @@ class SecureRound:
     """One step's secure aggregation over the nodes ``nodes`` with threshold ``t``."""
 
     def __init__(self, send: Send, step: Step, arrays: Mapping[str, np.ndarray],
-                 nodes: Sequence[int], t: int, history: Mapping[str, float],
+                 nodes: Sequence[int], plan: G.GraphPlan, history: Mapping[str, float],
                  log: Callable[[str], None] = print) -> None:
         self.send_fn, self.step, self.arrays = send, step, dict(arrays)
-        self.nodes, self.t, self.history, self.log = list(nodes), t, dict(history), log
+        self.nodes, self.history, self.log = list(nodes), dict(history), log
+        self.plan, self.t = plan, plan.t
         self.round_id = secrets.token_bytes(16)
         self.failures: dict[int, tuple[str, str, str]] = {}
         self.sent = self.received = 0
@@ -134,28 +141,34 @@ class SecureRound:
         self.failures[node] = (stage, "malformed", detail[:300])
 
     def _enough(self, nodes: Sequence[int], stage: str) -> None:
-        if len(nodes) < self.t:
+        if len(nodes) < self.plan.minimum:
             lost = {n: f"{k}: {d}" for n, (s, k, d) in self.failures.items() if s == stage}
             raise SecureAggregationError(
                 f"secure-threshold: only {len(nodes)} nodes were left after the {stage} stage "
-                f"of {self.step.label}, fewer than the threshold {self.t}; nothing was released "
-                f"(lost there: {lost})")
+                f"of {self.step.label}, fewer than the round's minimum {self.plan.minimum}; "
+                f"nothing was released (lost there: {lost})")
 
     # ----- the protocol ----------------------------------------------------------------------
     def run(self) -> SecureOutcome:
         base = {"round": self.round_id}
         params = self.arrays.get(DISTRIBUTED_KEY)
         setup = {**base, "step": self.step.to_json(), "threshold": self.t,
-                 "history-labels": list(self.history), "history-rho": [
-                     float(r) for r in self.history.values()], **self.arrays}
+                 "neighbours": self.plan.k, "history-labels": list(self.history),
+                 "history-rho": [float(r) for r in self.history.values()], **self.arrays}
         keys = self._send("setup", {n: setup for n in self.nodes})
         self._check_keys(keys)
         layout = own_layout(self.step, params)
         u1 = sorted(keys)
         self._enough(u1, "setup")
-        c_pks, s_pks = [keys[n]["c-pk"] for n in u1], [keys[n]["s-pk"] for n in u1]
+        beacon = [bytes(keys[n]["c-pk"]) for n in u1[:G.BEACON]]
+        order = G.ring(u1, G.graph_seed(self.round_id, u1, beacon))
+        peers = G.all_neighbours(order, self.plan.k)
+        self.peers = peers
+        listed = G.bitmap(u1, max(self.nodes) + 1)
         shared = self._send("share-keys", {n: {
-            **base, "nodes": u1, "c-pks": c_pks, "s-pks": s_pks,
+            **base, "nodes": listed, "beacon": beacon, "peers": peers[n],
+            "c-pks": [keys[v]["c-pk"] for v in peers[n]],
+            "s-pks": [keys[v]["s-pk"] for v in peers[n]],
             "layout": json.dumps(layout.to_json())} for n in u1})
         held: dict[int, dict[int, bytes]] = {n: {} for n in u1}  # holder: {owner: ciphertext}
         digests: dict[int, bytes] = {}
@@ -163,8 +176,8 @@ class SecureRound:
             try:
                 dst = [int(v) for v in reply["dst"]]
                 texts = [bytes(c) for c in reply["ciphertexts"]]
-                if sorted(dst) != [v for v in u1 if v != n] or len(texts) != len(dst):
-                    raise ValueError("shares not addressed to every other node")
+                if dst != peers[n] or len(texts) != len(dst):
+                    raise ValueError("shares not addressed to every neighbour")
                 digests[n] = bytes(reply["seed-digest"])
             except Exception as err:  # noqa: BLE001 -- anything a broken node sends
                 self._drop(n, "share-keys", f"malformed reply: {err!r}")
@@ -173,9 +186,10 @@ class SecureRound:
                 held[v][n] = text
         u2 = sorted(digests)
         self._enough(u2, "share-keys")
+        in_u2 = set(u2)
         masked = self._send("collect", {n: {
-            **base, "src": [v for v in u2 if v != n],
-            "ciphertexts": [held[n][v] for v in u2 if v != n]} for n in u2})
+            **base, "src": [v for v in peers[n] if v in in_u2],
+            "ciphertexts": [held[n][v] for v in peers[n] if v in in_u2]} for n in u2})
         moduli = layout.moduli()
         vectors: dict[int, np.ndarray] = {}
         for n, reply in sorted(masked.items()):
@@ -186,10 +200,13 @@ class SecureRound:
             vectors[n] = y
         u3 = sorted(vectors)
         self._enough(u3, "collect")
-        dropped = [n for n in u2 if n not in vectors]
-        revealed = self._send("unmask", {n: {**base, "active": u3, "dropped": dropped}
-                                         for n in u3})
-        total = self._unmask(layout, u1, s_pks, u3, dropped, vectors, revealed, digests)
+        dropped = {n for n in u2 if n not in vectors}
+        revealed = self._send("unmask", {n: {
+            **base, "active": [v for v in sorted([n, *peers[n]]) if v in vectors],
+            "dropped": [v for v in peers[n] if v in dropped], "survivors": len(u3)}
+            for n in u3})
+        total = self._unmask(layout, u1, {n: bytes(keys[n]["s-pk"]) for n in u1}, u3,
+                             sorted(dropped), vectors, revealed, digests)
         n_users, n_clipped = read_counts(layout.split(total)[COUNTS])
         totals = {k: v for k, v in layout.split(total).items() if k != COUNTS}
         contrib = UserContribution(totals, n_users, n_clipped)
@@ -197,57 +214,81 @@ class SecureRound:
                              self.seconds)
 
     def _check_keys(self, keys: dict[int, Mapping[str, Any]]) -> None:
-        """Leave out of the round a node whose setup reply holds unusable public keys."""
+        """Leave out of the round a node whose setup reply holds unusable public keys (not 32
+        bytes, or a point no agreement works with: its neighbours would fail on it)."""
+        probe = C.key_pair()[0]
         for n, reply in sorted(keys.items()):
             try:
-                C.public_key(bytes(reply["c-pk"]))
-                C.public_key(bytes(reply["s-pk"]))
+                C.agree(probe, bytes(reply["c-pk"]), b"probe")
+                C.agree(probe, bytes(reply["s-pk"]), b"probe")
             except Exception as err:  # noqa: BLE001
                 self._drop(n, "setup", f"malformed keys: {err!r}")
                 keys.pop(n)
 
-    def _unmask(self, layout: C.Layout, u1: list[int], s_pks: list[bytes], u3: list[int],
-                dropped: list[int], vectors: Mapping[int, np.ndarray],
+    def _unmask(self, layout: C.Layout, u1: list[int], s_pks: Mapping[int, bytes],
+                u3: list[int], dropped: list[int], vectors: Mapping[int, np.ndarray],
                 revealed: Mapping[int, Mapping[str, Any]], digests: Mapping[int, bytes],
                 ) -> np.ndarray:
-        """The sum over ``u3`` without masks, from ``t`` nodes' revealed shares."""
+        """The sum over ``u3`` without masks: each node's secret from the first ``t`` shares
+        its neighbourhood revealed (Lagrange weights shared by every secret rebuilt from the
+        same points)."""
         seed_shares: dict[int, list[bytes]] = {v: [] for v in u3}
         key_shares: dict[int, list[bytes]] = {v: [] for v in dropped}
         for n, reply in sorted(revealed.items()):
+            asked_seed = [v for v in sorted([n, *self.peers[n]]) if v in vectors]
+            asked_key = [v for v in self.peers[n] if v in key_shares]
             try:
-                if [int(v) for v in reply["seed-of"]] != u3 or [
-                        int(v) for v in reply["key-of"]] != dropped:
+                if [int(v) for v in reply["seed-of"]] != asked_seed or [
+                        int(v) for v in reply["key-of"]] != asked_key:
                     raise ValueError("shares for other nodes than asked")
                 seeds = [bytes(s) for s in reply["seed-shares"]]
                 keys = [bytes(s) for s in reply["key-shares"]]
+                if len(seeds) != len(asked_seed) or len(keys) != len(asked_key):
+                    raise ValueError("shares for other nodes than asked")
             except Exception as err:  # noqa: BLE001
                 self._drop(n, "unmask", f"malformed shares: {err!r}")
                 continue
-            if len(seeds) != len(u3) or len(keys) != len(dropped):
-                self._drop(n, "unmask", "shares for other nodes than asked")
-                continue
-            for v, s in zip(u3, seeds, strict=True):
+            for v, s in zip(asked_seed, seeds, strict=True):
                 seed_shares[v].append(s)
-            for v, s in zip(dropped, keys, strict=True):
+            for v, s in zip(asked_key, keys, strict=True):
                 key_shares[v].append(s)
         self._enough([n for n in revealed if n not in self.failures], "unmask")
-        total = np.zeros(layout.size, dtype=np.uint64)
+        total = np.zeros(layout.size, dtype=np.uint64)  # wraps modulo 2^64: reduced at the end
         for n in u3:
-            total = C.add(total, vectors[n], layout)
+            total += vectors[n]
         for v in u3:
-            seed = C.combine_shares(seed_shares[v][:self.t])
+            seed = self._rebuild(v, seed_shares[v], "mask seed")
             if C.digest(seed) != digests[v]:
                 raise SecureAggregationError(f"{self.step.label}: node {v}'s mask seed did not "
                                              "reconstruct (inconsistent shares)")
-            total = C.add(total, C.mask(seed, layout), layout, -1)
+            total -= C.mask(seed, layout)
         purpose = b"pair/" + self.round_id
+        alive = set(u3)
         for v in dropped:
-            sk_bytes, pk = C.key_pair_from_seed(C.combine_shares(key_shares[v][:self.t]))
-            sk = C.private_key(sk_bytes)
-            if pk != s_pks[u1.index(v)]:
+            sk_bytes, pk = C.key_pair_from_seed(self._rebuild(v, key_shares[v], "mask key"))
+            if pk != s_pks[v]:
                 raise SecureAggregationError(f"{self.step.label}: dropped node {v}'s mask key "
                                              "did not reconstruct (inconsistent shares)")
-            for u in u3:
-                pair = C.mask(C.agree(sk, s_pks[u1.index(u)], purpose), layout)
-                total = C.add(total, pair, layout, -pair_sign(u, v))
-        return total
+            sk = C.private_key(sk_bytes)
+            for u in self.peers[v]:
+                if u in alive:
+                    pair = C.mask(C.agree(sk, s_pks[u], purpose), layout)
+                    if pair_sign(u, v) > 0:
+                        total -= pair
+                    else:
+                        total += pair
+        reduced: np.ndarray = total & layout.moduli()
+        return reduced
+
+    def _rebuild(self, owner: int, shares: list[bytes], what: str) -> bytes:
+        """A node's secret from the first ``t`` of its shares (by point)."""
+        if len(shares) < self.t:
+            raise SecureAggregationError(
+                f"{self.step.label}: only {len(shares)} shares of node {owner}'s {what} were "
+                f"revealed, fewer than the threshold {self.t}; nothing was released "
+                "(secure-dropout: more of its neighbours dropped than the graph was sized for)")
+        try:
+            return shamir.combine(sorted(shares, key=shamir.point)[:self.t])
+        except ValueError:
+            raise SecureAggregationError(f"{self.step.label}: node {owner}'s {what} did not "
+                                         "reconstruct (inconsistent shares)") from None
