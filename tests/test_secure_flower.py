@@ -96,6 +96,26 @@ def test_nodes_crashing_mid_protocol_are_dropped_and_the_ledger_counts_the_noise
     assert ledger == _in_process(settings)["privacy"]["ledger"]
 
 
+@pytest.mark.integration
+def test_secagg_plus_neighbourhoods_run_through_flower_with_nodes_crashing(
+        tmp_path, shared_flower_env):
+    """64 nodes (the smallest default ring: k = 26, t = 7), one round, 10% crashing in the
+    collect stage: every node recomputes its neighbours from the bitmap and beacon keys it gets
+    through Flower's records, the masks of the crashed nodes are rebuilt from their
+    neighbours' shares, and the ledger is the in-process run's."""
+    settings = dict(SIM, num_users=64 * 5, users_per_node=5, rounds=1, node_fault_rate=0.1,
+                    node_fault_kind="crash", max_epsilon=4.0)
+    results, proc = run_cli(shared_flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 64
+    trust = results["privacy"]["trust"]
+    assert (trust["secure_graph"], trust["secure_neighbours"]) == ("ring (SecAgg+)", 26)
+    for report in results["rounds"][:-1]:
+        assert report["nodes_failed"] >= 1 and report["rejected"].keys() == {"node-error"}
+        assert report["nodes_answered"] == 64 - report["nodes_failed"]
+    assert "simulated crash" in proc.stdout + proc.stderr
+    assert results["privacy"]["ledger"] == _in_process(settings)["privacy"]["ledger"]
+
+
 # -- what the ServerApp receives --------------------------------------------------------------
 SPY_APP = '''
 import json, os

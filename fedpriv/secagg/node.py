@@ -4,8 +4,9 @@ Each stage is a function of the node's state (kept between a round's messages: F
 ``context.state`` on a SuperNode, a dict in process) and of the server's message; it returns
 the reply. The node's contribution is computed in the setup stage (``compute``: the node's users'
 step, ``fedpriv.nodes.node_step``, which quantizes it and adds the node's noise share), kept
-on the node, and leaves it only masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)`` modulo each part's
-``2^bits`` (Bonawitz et al. 2017). The node's user count (the public one: ``fedpriv.nodes
+on the node, and leaves it only masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)`` over its
+neighbours ``v`` modulo each part's ``2^bits`` (Bonawitz et al. 2017; Bell et al. 2020: the
+node computes its neighbours itself, ``fedpriv.secagg.graph``, and refuses another list). The node's user count (the public one: ``fedpriv.nodes
 .public_reply``) travels in the same masked vector (modulo ``2^62``), never in plain; a metrics
 step is never secure-aggregated (its nodes send no exact metrics).
 
@@ -13,7 +14,8 @@ Before it contributes, the node checks the round against the run's declared plan
 (``check_round``): the noise share, grid and modulus it recomputes from the run config and the
 step; the budget: the epsilon of the releases so far (the server's ledger, which must agree
 with what this node saw) and this one, which must stay within the ceiling. It refuses a round
-that would lower its noise or exceed the budget.
+that would lower its noise or exceed the budget, or whose neighbourhood size or threshold is
+not the one the run config gives.
 """
 
 from __future__ import annotations

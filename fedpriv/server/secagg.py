@@ -1,25 +1,30 @@
 """The server's side of secure aggregation (``aggregation = "secure"``): it sees only the sum.
 
-One round of SecAgg (Bonawitz et al. 2017; Flower's SecAgg+ stages over the complete graph)
-for one step, on fedpriv's own messages, whatever carries them (``Send``: Flower's Grid, or
-direct calls in process):
+One round of SecAgg+ (Bell et al. 2020; SecAgg of Bonawitz et al. 2017 when the graph is
+complete) for one step, on fedpriv's own messages, whatever carries them (``Send``: Flower's
+Grid, or direct calls in process). Each node shares with its neighbours of the round's graph
+(``fedpriv.secagg.graph``: all other nodes below 64 nodes):
 
-1. **setup**: the step, its broadcast and share parameters, the threshold ``t``, the ledger
-   so far. Each node checks the round against the run's plan, computes its noisy share and
-   answers two fresh public keys (U1: the nodes that answered).
-2. **share-keys**: the server forwards U1's keys; each node Shamir-shares its mask seed and its
-   mask key (threshold ``t``), encrypted for each other node (U2: those that answered).
+1. **setup**: the step, its broadcast and share parameters, ``k`` and ``t``, the ledger so far.
+   Each node checks the round against the run's plan, computes its noisy share and answers two
+   fresh public keys (U1: the nodes that answered).
+2. **share-keys**: U1 as a bitmap, the beacon nodes' keys and each node's neighbours' keys;
+   each node recomputes its neighbours, Shamir-shares its mask seed and its mask key among
+   itself and them (threshold ``t``), encrypted for each holder (U2: those that answered).
 3. **collect**: each node gets the ciphertexts held for it and sends its vector masked (U3).
-4. **unmask**: the server names the active (U3) and dropped (U2 minus U3) nodes; each node
-   checks that no node is both and that at least ``t`` are active, then reveals its shares of
-   the active nodes' seeds and of the dropped nodes' mask keys. With ``t`` answers the server
-   removes the masks: the sum over U3 of the nodes' vectors, and nothing else.
+4. **unmask**: each node learns which of its neighbours are active (U3) and dropped (U2 minus
+   U3) and the survivor count; it checks that no node is both, that at least ``t`` of its
+   neighbourhood are active and the round above its minimum, then reveals its shares of the
+   active nodes' seeds and of the dropped nodes' mask keys. With ``t`` shares of each the
+   server removes the masks: the sum over U3 of the nodes' vectors, and nothing else.
 
 Threat model: an honest-but-curious server (it follows the protocol and forwards messages
 faithfully, but reads everything it receives), no Sybil nodes, and at most
-``floor(collusion-threshold * K)`` nodes colluding with it; ``t`` must exceed that number
-(``check_threshold``). A round with fewer than ``t`` nodes left at any stage cannot be unmasked:
-the run stops there (``SecureAggregationError``), its checkpoint intact for ``resume``.
+``floor(collusion-threshold * K)`` nodes colluding with it (``check_threshold``: with the
+complete graph ``t`` exceeds them; with neighbourhoods the failure bounds of the graph hold). A
+round with fewer than its minimum left at any stage, or a secret with fewer than ``t`` shares,
+cannot be unmasked: the run stops there (``SecureAggregationError``), its checkpoint intact for
+``resume``.
 """
 
 from __future__ import annotations
