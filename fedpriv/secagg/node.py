@@ -6,9 +6,10 @@ the reply. The node's contribution is computed in the setup stage (``compute``: 
 step, ``fedpriv.nodes.node_step``, which quantizes it and adds the node's noise share), kept
 on the node, and leaves it only masked: ``x + PRG(b_u) + sum_v +-PRG(s_uv)`` over its
 neighbours ``v`` modulo each part's ``2^bits`` (Bonawitz et al. 2017; Bell et al. 2020: the
-node computes its neighbours itself, ``fedpriv.secagg.graph``, and refuses another list). The node's user count (the public one: ``fedpriv.nodes
-.public_reply``) travels in the same masked vector (modulo ``2^62``), never in plain; a metrics
-step is never secure-aggregated (its nodes send no exact metrics).
+node computes its neighbours itself, ``fedpriv.secagg.graph``, and refuses another list).
+The node's user count (the public one: ``fedpriv.nodes.public_reply``) travels in the same
+masked vector (modulo ``2^62``), never in plain; a metrics step is never secure-aggregated
+(its nodes send no exact metrics).
 
 Before it contributes, the node checks the round against the run's declared plan
 (``check_round``): the noise share, grid and modulus it recomputes from the run config and the
