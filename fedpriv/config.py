@@ -118,7 +118,8 @@ class RunConfig:
         "with (SecAgg+; even; the threshold then counts within a neighbourhood); 0 = the "
         "fewest that keep a round's privacy failure below 2^-40 and its completion failure "
         "below 2^-20 (collusion-threshold, secure-dropout), or every other node below 64 "
-        "nodes or where that is not at least half as many", lambda x: x >= 0,
+        "nodes, where that is not at least half as many, or where secure-threshold is set "
+        "alone", lambda x: x >= 0,
         "an integer >= 0 (0: automatic)"))
     secure_dropout: float = key(Param(
         "secure-dropout", float, 0.1, "secure: the fraction of nodes (rounded down) that may "

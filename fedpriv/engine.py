@@ -45,7 +45,7 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
             if server.secure:
                 server.aggregate_secure(step, SecureRound(
                     local.send, step, arrays, range(parts), server.graph, server.history(),
-                    log).run(), t0)
+                    log, count=parts).run(), t0)
                 continue
             failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
             replies = []

@@ -329,7 +329,7 @@ class _Harness:
                 return replies(cls, config, step, arrays, self.parts, self.noise)
             nodes = _Nodes(config, cls, self.parts, self.noise)
             return SecureRound(nodes.send, step, arrays, range(self.parts), server.graph,
-                               server.history(), lambda _: None).run()
+                               server.history(), lambda _: None, count=self.parts).run()
 
     def _on_a_copy(self, step: Step, arrays: dict[str, np.ndarray],
                    arrays_n: dict[str, np.ndarray], theirs: Answers) -> _Released:

@@ -34,6 +34,31 @@ def _log(text: str) -> None:
     print(text, flush=True)
 
 
+POLL_FIRST, POLL_GROWTH, POLL_MAX = 0.01, 1.5, 0.5
+
+
+def exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+    """``grid.send_and_receive`` with a shorter poll: Flower's waits 0.1 s (simulation) or 3 s
+    (deployment) between pulls, which a secure round pays in each of its four stages; this one
+    pulls after 10 ms, then 1.5x longer each time, at most 0.5 s. A stand-in that is not a
+    Flower ``Grid`` (tests' loopback grids) answers through its own ``send_and_receive``."""
+    if not isinstance(grid, Grid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
+    pending = set(grid.push_messages(messages))
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    pause = POLL_FIRST
+    while pending:
+        got = list(grid.pull_messages(pending))
+        replies.extend(got)
+        pending.difference_update(m.metadata.reply_to_message_id for m in got)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * POLL_GROWTH, POLL_MAX)
+    return replies
+
+
 def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
     """Wait for the nodes, ask each its partition once; returns {node id: partition id}. A node
     that registers later is asked when it appears (in a deployment each question starts a
@@ -47,7 +72,7 @@ def discover_partitions(grid: Grid, timeout: float) -> dict[int, int]:
         msgs = [Message(RecordDict({}), dst_node_id=n, message_type=P.MSG_HELLO)
                 for n in sorted(nodes - set(partitions))]
         if msgs:
-            for reply in grid.send_and_receive(msgs, timeout=timeout):
+            for reply in exchange(grid, msgs, timeout):
                 if reply.has_content():
                     cfg = reply.content[P.CONFIG]
                     partitions[reply.metadata.src_node_id] = int(_scalar(cfg[P.KEY_PARTITION]))
@@ -181,7 +206,7 @@ class PrivateStrategy(Strategy):
             out: dict[int, Reply] = {}
             msgs = [Message(to_records(m), dst_node_id=node_of[pid],
                             message_type=P.MSG_SECAGG[stage]) for pid, m in messages.items()]
-            for reply in grid.send_and_receive(msgs, timeout=self.config.node_timeout):
+            for reply in exchange(grid, msgs, self.config.node_timeout):
                 pid = self.partitions.get(reply.metadata.src_node_id)
                 if pid is None or pid not in messages:
                     continue
@@ -209,7 +234,8 @@ class PrivateStrategy(Strategy):
             if self.server.secure:  # the server sees only the masked vectors and their sum
                 outcome = SecureRound(self._secure_send(grid), step, self.server.payload(step),
                                       sorted(self.partitions.values()), self.server.graph,
-                                      self.server.history(), _log).run()
+                                      self.server.history(), _log,
+                                      count=self.server.num_partitions).run()
                 self.server.aggregate_secure(step, outcome, self._started)
                 continue
             arrays = ArrayRecord({k: Array(np.asarray(v))
@@ -217,6 +243,6 @@ class PrivateStrategy(Strategy):
             config = ConfigRecord({P.KEY_STEP: step.to_json()})
             messages = list(self.configure_train(number, arrays, config, grid))
             with Waiting(step.label, len(messages), _log):
-                replies = grid.send_and_receive(messages, timeout=self.config.node_timeout)
+                replies = exchange(grid, messages, self.config.node_timeout)
             self.aggregate_train(number, replies)
         return self.server.results(time.perf_counter() - started, runtime="flower")

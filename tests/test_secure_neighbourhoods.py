@@ -17,7 +17,7 @@ from secure_helpers import fix_node_noise, instrument, make_config, quiet
 from fedpriv.config import ConfigError
 from fedpriv.secagg import graph as G
 from fedpriv.secagg.node import Failure
-from fedpriv.server.secagg import check_threshold, payload_bytes
+from fedpriv.server.secagg import SecureAggregationError, check_threshold, payload_bytes
 
 K = 70  # the smallest default ring is at 64 nodes
 SMALL = {"num_users": 5 * K, "users_per_node": 5, "dim": 6}
@@ -89,6 +89,72 @@ def test_a_node_refuses_a_neighbour_list_that_is_not_the_rounds_graph(monkeypatc
     assert result["rounds"][1]["nodes_failed"] == 1
 
 
+def _lose_at_setup(count):
+    def forge(label, stage, replies, record):
+        if label == "round-1" and stage == "setup":
+            for pid in range(count):
+                replies[pid] = Failure("timeout", "lost before the ring was drawn")
+        return replies
+    return forge
+
+
+def test_a_ring_is_drawn_over_all_but_the_declared_dropouts_and_no_fewer(monkeypatch):
+    dropouts = math.floor(0.1 * K)  # secure-dropout's default: 7 of 70
+    record = instrument(monkeypatch, forge=_lose_at_setup(dropouts))
+    result = quiet(make_config(aggregation="secure", **SMALL))
+    assert len(record.stage("round-1", "share-keys").messages) == K - dropouts
+    assert result["rounds"][1]["nodes_failed"] == dropouts  # released without them
+    instrument(monkeypatch, forge=_lose_at_setup(dropouts + 1))
+    with pytest.raises(SecureAggregationError, match="^secure-threshold: only 62 nodes .* "
+                       "minimum 63 .*secure-dropout"):
+        quiet(make_config(aggregation="secure", **SMALL))
+
+
+def _tampered(change):
+    def tamper(label, stage, messages, record):
+        if label == "round-1" and stage in change:
+            messages[3] = change[stage](dict(messages[3]), record)
+        return messages
+    return tamper
+
+
+def _beacon_neighbour(msg, record):
+    """Node 3's message with one of its neighbours' keys replaced, that neighbour a beacon
+    node: the beacon list (hashed into the graph) and the key list then disagree."""
+    u1 = G.members(np.asarray(msg["nodes"]), K)
+    (v, at), *_ = [(v, i) for i, v in enumerate(msg["peers"]) if v in u1[:G.BEACON]]
+    msg["c-pks"] = [*msg["c-pks"][:at], bytes(32), *msg["c-pks"][at + 1:]]
+    return msg
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"share-keys": _beacon_neighbour}, "two keys for node"),
+    ({"share-keys": lambda m, r: {**m, "nodes": np.asarray(m["nodes"])[:-1]}}, "bitmap"),
+    ({"unmask": lambda m, r: {**m, "survivors": 35}}, "inconsistent unmask request"),
+])
+def test_a_node_refuses_what_it_can_check_in_a_ring_round(monkeypatch, change, why):
+    """A beacon node's key that differs from its neighbour copy, a node list of another size,
+    a survivor count below the round's minimum (a majority: 36 of 70)."""
+    fix_node_noise(monkeypatch)
+    record = instrument(monkeypatch, tamper=_tampered(change))
+    result = quiet(make_config(aggregation="secure", **SMALL))
+    stage = next(iter(change))
+    # the round went on: without node 3 (refused before its vector was masked), or with its
+    # vector and without its shares (refused at unmask; the others' shares sufficed)
+    assert result["rounds"][1]["nodes_failed"] == (0 if stage == "unmask" else 1)
+    reply = record.node_replies[[i for i, e in enumerate(record.node_replies)
+                                 if e.label == "round-1" and e.stage == stage][0]].replies[3]
+    assert isinstance(reply, Failure) and reply.detail.startswith("RoundRefused")
+    assert why in reply.detail
+
+
+def test_a_threshold_set_on_a_ring_keeps_the_majority_as_the_rounds_minimum():
+    cfg = make_config(aggregation="secure", num_users=5000, users_per_node=5,
+                      secure_neighbours=48, secure_threshold=28)
+    plan = check_threshold(cfg, 1000)
+    assert (plan.k, plan.t, plan.minimum, plan.ring_floor) == (48, 28, 501, 900)
+
+
 def test_the_graph_is_every_nodes_own_computation_and_regular():
     u1 = [v for v in range(200) if v % 7]
     seed = G.graph_seed(b"r" * 16, u1, [bytes([v]) * 32 for v in u1[:G.BEACON]])
@@ -105,19 +171,22 @@ def test_the_graph_is_every_nodes_own_computation_and_regular():
 
 
 def _simulate(nodes: int, colluders: int, dropouts: int, k: int, t: int, trials: int,
-              seed: int) -> tuple[float, float]:
+              seed: int, before: bool) -> tuple[float, float]:
     """The frequency of the events the bounds cover, by direct simulation: a node with ``t``
     colluding neighbours, or honest survivors split into several components (breadth-first
-    search); a node with more than ``k - t`` neighbours dropped."""
+    search); a node with more than ``k - t`` neighbours dropped. ``before``: the dropped nodes
+    left before the ring was drawn (the ring is over the others: the smallest ring)."""
     rng = np.random.default_rng(seed)
     leaks = stuck = 0
     for _ in range(trials):
-        order = list(rng.permutation(nodes))
-        peers = G.all_neighbours(order, k)
         roles = rng.permutation(nodes)
-        bad_c, bad_d = set(roles[:colluders]), set(roles[colluders:colluders + dropouts])
-        honest = [v for v in range(nodes) if v not in bad_c and v not in bad_d]
-        leak = any(sum(u in bad_c for u in peers[v]) >= t for v in range(nodes))
+        bad_c = set(roles[:colluders].tolist())
+        bad_d = set(roles[colluders:colluders + dropouts].tolist())
+        on_ring = [v for v in range(nodes) if not (before and v in bad_d)]
+        order = [on_ring[i] for i in rng.permutation(len(on_ring))]
+        peers = G.all_neighbours(order, k)
+        honest = [v for v in order if v not in bad_c and v not in bad_d]
+        leak = any(sum(u in bad_c for u in peers[v]) >= t for v in order)
         seen, todo = {honest[0]}, [honest[0]]
         while todo:
             for u in peers[todo.pop()]:
@@ -125,18 +194,25 @@ def _simulate(nodes: int, colluders: int, dropouts: int, k: int, t: int, trials:
                     seen.add(u)
                     todo.append(u)
         leaks += leak or len(seen) < len(honest)
-        stuck += any(sum(u in bad_d for u in peers[v]) > k - t for v in range(nodes))
+        stuck += any(sum(u in bad_d for u in peers[v]) > k - t for v in order)
     return leaks / trials, stuck / trials
 
 
-@pytest.mark.parametrize("k,t", [(6, 3), (8, 4)])
-def test_the_failure_bounds_hold_against_a_direct_simulation(k, t):
-    nodes, colluders, dropouts, trials = 60, 9, 9, 400
-    leak, stuck = G.plan_failures(nodes, colluders, dropouts, k, t)
-    seen_leak, seen_stuck = _simulate(nodes, colluders, dropouts, k, t, trials, seed=k)
-    assert 0.05 < seen_leak and 0.05 < seen_stuck  # the setting fails often enough to see
-    for bound, seen in ((leak, seen_leak), (stuck, seen_stuck)):
+@pytest.mark.parametrize("k,t,which", [(10, 5, 0), (12, 6, 0), (6, 3, 1), (8, 4, 1)])
+def test_the_failure_bounds_hold_against_a_direct_simulation(k, t, which):
+    """60 nodes, 9 colluding and 9 dropping, settings where the bound is below 1 (else the
+    check would be empty); the dropped nodes leave after the ring is drawn, or before it."""
+    nodes, colluders, dropouts, trials = 60, 9, 9, 300
+    bound = G.plan_failures(nodes, colluders, dropouts, k, t)[which]
+    assert 0.01 < bound < 1
+    observed = []
+    for before in (False, True):
+        if before and which == 1:
+            continue  # completion: the dropouts are those after the ring was drawn
+        seen = _simulate(nodes, colluders, dropouts, k, t, trials, seed=k, before=before)[which]
         assert seen <= bound + 3 * math.sqrt(bound * (1 - bound) / trials) + 1e-9
+        observed.append(seen)
+    assert max(observed) > 0  # the simulation does see the event
 
 
 def test_the_automatic_plans_meet_their_targets_and_shrink_relative_to_the_node_count():

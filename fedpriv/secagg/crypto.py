@@ -50,7 +50,7 @@ def key_pair_from_seed(seed: bytes) -> tuple[bytes, bytes]:
     shared as its seed."""
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a key seed has {SEED_BYTES} bytes, got {len(seed)}")
-    raw = hkdf(seed, b"fedpriv-secagg/mask-key")
+    raw = hkdf(seed, b"fedpriv-secagg-mask-key")  # outside agree's namespace
     sk = x25519.X25519PrivateKey.from_private_bytes(raw)
     return raw, sk.public_key().public_bytes(*_RAW)
 

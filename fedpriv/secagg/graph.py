@@ -58,6 +58,11 @@ class GraphPlan:
     minimum: int
     privacy_failure: float
     completion_failure: float
+    drawn: int = 0  # the fewest nodes the ring may be drawn over (U1); 0: ``minimum``
+
+    @property
+    def ring_floor(self) -> int:
+        return self.drawn or self.minimum
 
     def complete(self, nodes: int) -> bool:
         return self.k >= nodes - 1
@@ -79,13 +84,17 @@ def plan_failures(nodes: int, colluders: int, dropouts: int, k: int, t: int
                   ) -> tuple[float, float]:
     """(privacy, completion) failure bounds of a round of ``nodes`` with neighbourhoods of
     ``k`` and threshold ``t``, ``colluders`` and ``dropouts`` placed independently of the
-    ring's order. The complete graph: 0 or 1 (the guarantees are deterministic)."""
+    ring's order, the ring drawn over at least ``nodes - dropouts`` of them (some may drop
+    before it is drawn: colluders do not, so a node's neighbours are drawn from a pool of
+    ``nodes - dropouts - 1`` in the worst case; a run of ``k / 2`` bad nodes is likeliest when
+    none dropped before). The complete graph: 0 or 1 (the guarantees are deterministic)."""
     if k >= nodes - 1:
         private = colluders < t
         completes = nodes - dropouts >= t
         return (0.0 if private else 1.0), (0.0 if completes else 1.0)
     peers, half = nodes - 1, k // 2
-    leak = nodes * _tail(peers, colluders, k, t)
+    pool = max(nodes - dropouts - 1, k)
+    leak = nodes * _tail(pool, min(colluders, pool), k, t)
     bad = min(colluders + dropouts, nodes)
     leak += nodes * math.comb(bad, half) / math.comb(nodes, half)
     stuck = nodes * _tail(peers, dropouts, k, k - t + 1)
@@ -95,13 +104,16 @@ def plan_failures(nodes: int, colluders: int, dropouts: int, k: int, t: int
 @lru_cache(maxsize=256)
 def _plan(nodes: int, colluders: int, dropouts: int, k: int, t: int, majority: int
           ) -> GraphPlan:
+    """``majority``: the fewest survivors of a round (and the complete graph's threshold when
+    ``t`` is 0); a ring is drawn over at least ``nodes - dropouts``."""
+    drawn = max(nodes - dropouts, majority)
     if k == 0:  # automatic: the smallest even k that meets both targets, if it halves K - 1
         for k_try in range(2, (nodes - 1) // 2 + 1 if nodes >= RING_FROM else 2, 2):
             for t_try in range(2, k_try + 2):
                 leak, stuck = plan_failures(nodes, colluders, dropouts, k_try, t_try)
                 if leak <= PRIVACY_FAILURE:
                     if stuck <= COMPLETION_FAILURE:
-                        return GraphPlan(k_try, t_try, majority, leak, stuck)
+                        return GraphPlan(k_try, t_try, majority, leak, stuck, drawn)
                     break  # a larger t only makes completion harder
         return GraphPlan(nodes - 1, majority, majority, 0.0, 0.0)
     if k >= nodes - 1:
@@ -110,14 +122,18 @@ def _plan(nodes: int, colluders: int, dropouts: int, k: int, t: int, majority: i
         t = next((t_try for t_try in range(2, k + 2) if plan_failures(
             nodes, colluders, dropouts, k, t_try)[0] <= PRIVACY_FAILURE), k + 1)
     leak, stuck = plan_failures(nodes, colluders, dropouts, k, t)
-    return GraphPlan(k, t, majority, leak, stuck)
+    return GraphPlan(k, t, majority, leak, stuck, drawn)
+
+
+def majority(config: RunConfig, nodes: int) -> int:
+    """A majority of the nodes, and always more than the nodes that may collude (at least 2)."""
+    return max(nodes // 2 + 1, math.floor(config.collusion_threshold * nodes) + 1, 2)
 
 
 def complete_threshold(config: RunConfig, nodes: int) -> int:
-    """The Shamir threshold of the complete graph: ``secure-threshold``, or by default a
-    majority of the nodes (and always more than the nodes that may collude)."""
-    colluders = math.floor(config.collusion_threshold * nodes)
-    return config.secure_threshold or max(nodes // 2 + 1, colluders + 1, 2)
+    """The Shamir threshold of the complete graph: ``secure-threshold``, or by default
+    ``majority``."""
+    return config.secure_threshold or majority(config, nodes)
 
 
 def plan(config: RunConfig, nodes: int) -> GraphPlan:
@@ -128,8 +144,10 @@ def plan(config: RunConfig, nodes: int) -> GraphPlan:
     k = config.secure_neighbours
     if k == 0 and config.secure_threshold:  # a threshold alone: the complete graph
         k = nodes - 1
+    if k >= nodes - 1:
+        return _plan(nodes, colluders, dropouts, k, 0, complete_threshold(config, nodes))
     return _plan(nodes, colluders, dropouts, k, config.secure_threshold,
-                 complete_threshold(config, nodes))
+                 majority(config, nodes))
 
 
 def check(config: RunConfig, nodes: int) -> GraphPlan:

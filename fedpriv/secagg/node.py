@@ -228,6 +228,7 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         del state[key]  # a new round forgets the last one's secrets
     state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
                   "round/threshold": t, "round/k": k, "round/minimum": graph.minimum,
+                  "round/drawn": graph.ring_floor,
                   "round/layout": json.dumps(
                       layout.to_json()),
                   "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
@@ -257,9 +258,9 @@ def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, An
         u1 = G.members(np.asarray(msg["nodes"]), nodes)
     except ValueError as err:
         raise RoundRefused(str(err)) from None
-    if pid not in u1 or len(u1) < int(state["round/minimum"]):
+    if pid not in u1 or len(u1) < int(state["round/drawn"]):
         raise RoundRefused(f"the key list has {len(u1)} nodes (at least "
-                           f"{state['round/minimum']} needed) or not this node")
+                           f"{state['round/drawn']} needed) or not this node")
     beacon = [bytes(b) for b in msg["beacon"]]
     if len(beacon) != min(G.BEACON, len(u1)) or (
             pid in u1[:G.BEACON] and beacon[u1.index(pid)] != state["round/c-pk"]):
@@ -272,6 +273,9 @@ def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, An
     c_pks, s_pks = [bytes(b) for b in msg["c-pks"]], [bytes(b) for b in msg["s-pks"]]
     if len(c_pks) != len(mine) or len(s_pks) != len(mine):
         raise RoundRefused("a key missing for a neighbour")
+    for v, c_pk in zip(mine, c_pks, strict=True):  # a beacon node that is also a neighbour
+        if v in u1[:G.BEACON] and c_pk != beacon[u1.index(v)]:
+            raise RoundRefused(f"the server forwarded two keys for node {v}")
     holders = sorted([pid, *mine])
     index = {v: i for i, v in enumerate(u1)}
     points = [index[h] + 1 for h in holders]

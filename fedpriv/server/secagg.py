@@ -116,9 +116,12 @@ class SecureRound:
 
     def __init__(self, send: Send, step: Step, arrays: Mapping[str, np.ndarray],
                  nodes: Sequence[int], plan: G.GraphPlan, history: Mapping[str, float],
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, count: int | None = None) -> None:
+        """``count``: the run's node count (the node list's bitmap size; the nodes check it),
+        by default the largest node id plus one."""
         self.send_fn, self.step, self.arrays = send, step, dict(arrays)
         self.nodes, self.history, self.log = list(nodes), dict(history), log
+        self.count = count if count is not None else max(self.nodes) + 1
         self.plan, self.t = plan, plan.t
         self.round_id = secrets.token_bytes(16)
         self.failures: dict[int, tuple[str, str, str]] = {}
@@ -146,12 +149,15 @@ class SecureRound:
         self.failures[node] = (stage, "malformed", detail[:300])
 
     def _enough(self, nodes: Sequence[int], stage: str) -> None:
-        if len(nodes) < self.plan.minimum:
+        floor = self.plan.ring_floor if stage == "setup" else self.plan.minimum
+        if len(nodes) < floor:
             lost = {n: f"{k}: {d}" for n, (s, k, d) in self.failures.items() if s == stage}
             raise SecureAggregationError(
                 f"secure-threshold: only {len(nodes)} nodes were left after the {stage} stage "
-                f"of {self.step.label}, fewer than the round's minimum {self.plan.minimum}; "
-                f"nothing was released (lost there: {lost})")
+                f"of {self.step.label}, fewer than the round's minimum {floor}"
+                + (" (the neighbourhoods are drawn over at least all but secure-dropout of "
+                   "the nodes)" if floor > self.plan.minimum else "")
+                + f"; nothing was released (lost there: {lost})")
 
     # ----- the protocol ----------------------------------------------------------------------
     def run(self) -> SecureOutcome:
@@ -169,7 +175,7 @@ class SecureRound:
         order = G.ring(u1, G.graph_seed(self.round_id, u1, beacon))
         peers = G.all_neighbours(order, self.plan.k)
         self.peers = peers
-        listed = G.bitmap(u1, max(self.nodes) + 1)
+        listed = G.bitmap(u1, self.count)
         shared = self._send("share-keys", {n: {
             **base, "nodes": listed, "beacon": beacon, "peers": peers[n],
             "c-pks": [keys[v]["c-pk"] for v in peers[n]],
