@@ -28,14 +28,16 @@ secure aggregation (benchmarks/bench_secure_aggregation.py).
   ones after the grid stamped their ids): what a deployment carries, gRPC framing and Flower's
   splitting of a message into objects aside; the time this takes is left out of the seconds.
   ``B/node/round`` divides a round's total by the sampled nodes (dropped ones included). The
-  third stage's FitIns carries the global model (``dim`` float32), so "to" includes the model
-  broadcast.
+  third stage's FitIns carries the global model, so "to" includes the model broadcast: float32
+  in round 1, float64 from round 2 (SecAgg+ hands the strategy a float64 aggregate); the masked
+  vectors come back as int64.
 
 Each node count runs in its own worker process (a new session, private FLWR_HOME and
 RAY_TMPDIR); one that runs past ``--timeout`` is stopped (process group, then any process
-whose environment holds its RAY_TMPDIR) and reported as timed out; larger counts are then
-skipped unless ``--keep-going``. Ray gets ``--cpus`` CPUs and one per ClientApp, so
-``--cpus`` actors run the nodes' messages.
+whose environment holds its RAY_TMPDIR) and reported as timed out, with the stages and rounds
+it finished (the worker rewrites a partial result after every stage, and counts the replies of
+the stage it is in); larger counts are then skipped unless ``--keep-going``. Ray gets
+``--cpus`` CPUs and one per ClientApp, so ``--cpus`` actors run the nodes' messages.
 
     python benchmarks/bench_flower_secaggplus.py --nodes 10           # smoke
     python benchmarks/bench_flower_secaggplus.py --nodes 10 100 1000 --json /tmp/flwr.json
@@ -339,7 +341,8 @@ def make_server_app(args: argparse.Namespace, nodes: int, meter: Meter) -> Serve
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         grid.send_and_receive = meter.wrap(grid.send_and_receive)  # type: ignore[method-assign]
-        grid.pull_messages = meter.wrap_pull(grid.pull_messages)  # type: ignore[method-assign]
+        pull = meter.wrap_pull(grid.pull_messages)
+        grid.pull_messages = pull  # type: ignore[method-assign,assignment]
         legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=args.rounds),
                                strategy=CheckedFedAvg(args, nodes, meter))
         fit = TimedSecAggPlus(meter, args.num_shares, args.threshold)
@@ -389,10 +392,13 @@ def proc_tree(roots: list[int], marker: bytes) -> set[int]:
 
 
 def stop(proc: subprocess.Popen[bytes], marker: bytes) -> list[int]:
-    """SIGTERM the worker's group and processes, SIGKILL what is left; the leftovers."""
+    """SIGTERM the worker's group and processes, SIGKILL what is left; the leftovers. The group
+    only while its leader is not reaped (its id cannot have been reused), then the processes
+    whose environment holds ``marker`` (the worker's private RAY_TMPDIR: Ray's processes)."""
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
         for pid in proc_tree([proc.pid] if proc.poll() is None else [], marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -437,6 +443,9 @@ def run_count(args: argparse.Namespace, nodes: int, logs: Path) -> dict[str, Any
         entry["status"] = "ok" if proc.returncode == 0 and result.exists() else "error"
     except subprocess.TimeoutExpired:
         entry["status"] = "timeout"
+    except BaseException:  # interrupted: leave nothing running
+        stop(proc, marker)
+        raise
     entry["proc_s"] = time.perf_counter() - start
     entry["left_processes"] = stop(proc, marker)
     entry["log"] = str(log_path)
@@ -520,8 +529,9 @@ def stage_lines(r: dict[str, Any]) -> list[str]:
     for x in rounds:
         c = x["check"]
         secs = ", ".join(f"{k} {v['s']:.2f}" if "ok" in v else
-                         f"{k} unfinished: {v.get('replies_pulled', 0)} replies, the last "
-                         f"{v.get('last_reply_after_s', 0.0):.0f} s into the stage"
+                         f"{k} unfinished: {v['replies_pulled']} replies, the last "
+                         f"{v['last_reply_after_s']:.0f} s into the stage"
+                         if v.get("replies_pulled") else f"{k} unfinished: no replies yet"
                          for k, v in x["stages"].items())
         total = "unfinished" if x["s"] is None else f"{x['s']:.2f} s"
         out.append(f"    round {x['round']}: {total} (configure_fit "
