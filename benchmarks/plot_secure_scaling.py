@@ -20,34 +20,42 @@ STYLE = {"secure": "-o", "distributed": "--s", "central": ":^"}
 
 def fedpriv_points(record: dict[str, Any], engine: str) -> dict[str, list[tuple[int, float,
                                                                                float]]]:
-    """{mode: [(nodes, seconds per round, KiB a node per round)]} of one engine's runs."""
+    """{mode: [(nodes, seconds per round, KiB a node per round)]} of one engine's runs; bytes
+    the engine did not count are the in-process run's (the same messages), else NaN."""
+    payload = {(r["mode"], r["nodes"]): r for r in record["runs"]
+               if "error" not in r and r.get("to_per_round") is not None}
     out: dict[str, list[tuple[int, float, float]]] = {}
     for run in record["runs"]:
-        if "error" in run or run["engine"] != engine or run.get("to_per_round") is None:
+        if "error" in run or run["engine"] != engine:
             continue
-        kib = (run["to_per_round"] + run["from_per_round"]) / run["nodes"] / 1024
+        sized = payload.get((run["mode"], run["nodes"]))
+        kib = ((sized["to_per_round"] + sized["from_per_round"]) / run["nodes"] / 1024
+               if sized else float("nan"))
         out.setdefault(run["mode"], []).append((run["nodes"], run["s_per_round"], kib))
     return {mode: sorted(points) for mode, points in out.items()}
 
 
 def flower_points(record: dict[str, Any]) -> tuple[list[tuple[int, float, float]],
-                                                   list[tuple[int, float]]]:
-    """Flower's SecAgg+ runs: the completed ones (nodes, s/round, KiB a node), the timed-out
-    ones (nodes, time limit)."""
+                                                   list[tuple[int, float, float]]]:
+    """Flower's SecAgg+ runs (nodes, s/round, KiB a node): the completed ones, and the ones
+    that timed out (the rounds they finished, else the time limit)."""
     done, late = [], []
     for run in record["runs"]:
+        kib = ((run.get("to_per_node_round") or 0) + (run.get("from_per_node_round") or 0)
+               ) / 1024 or float("nan")
         if run.get("status") == "ok" and run.get("s_per_round"):
-            kib = (run["to_per_node_round"] + run["from_per_node_round"]) / 1024
             done.append((run["nodes"], run["s_per_round"], kib))
         elif run.get("status") == "timeout":
-            late.append((run["nodes"], float(run.get("proc_s") or record["timeout_s"])))
+            late.append((run["nodes"], float(run.get("s_per_round") or run.get("proc_s")
+                                             or record["timeout_s"]), kib))
     return sorted(done), sorted(late)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("fedpriv_json", help="bench_secure_aggregation.py's bench.json")
-    parser.add_argument("flower_json", nargs="?", help="bench_flower_secaggplus.py's JSON")
+    parser.add_argument("flower_json", nargs="*", help="bench_flower_secaggplus.py's JSON "
+                        "files (their runs together)")
     parser.add_argument("--engine", default="flower", choices=("flower", "inprocess"))
     parser.add_argument("--out", default="results/secure_scaling.png")
     args = parser.parse_args()
@@ -63,15 +71,18 @@ def main() -> None:
         a.plot(x, [p[1] for p in points], STYLE[mode], label=f"fedpriv {mode}")
         b.plot(x, [p[2] for p in points], STYLE[mode], label=f"fedpriv {mode}")
     if args.flower_json:
-        done, late = flower_points(json.loads(Path(args.flower_json).read_text()))
+        records = [json.loads(Path(f).read_text()) for f in args.flower_json]
+        done, late = flower_points({"timeout_s": records[0].get("timeout_s"),
+                                    "runs": [r for rec in records for r in rec["runs"]]})
         if done:
             a.plot([p[0] for p in done], [p[1] for p in done], "-D", color="tab:red",
                    label="Flower SecAgg+")
             b.plot([p[0] for p in done], [p[2] for p in done], "-D", color="tab:red",
                    label="Flower SecAgg+")
         if late:
-            a.plot([p[0] for p in late], [p[1] for p in late], "D", mfc="none",
-                   color="tab:red", label="Flower SecAgg+: no round within (limit)")
+            for axis, i in ((a, 1), (b, 2)):
+                axis.plot([p[0] for p in late], [p[i] for p in late], "D", mfc="none",
+                          color="tab:red", label="Flower SecAgg+: one round, then timed out")
     a.set(xlabel="nodes", ylabel="seconds per round", xscale="log", yscale="log",
           title=f"time per round ({args.engine})")
     b.set(xlabel="nodes", ylabel="KiB a node sends + receives per round", xscale="log",
