@@ -368,27 +368,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- driver
 
-def proc_tree(roots: list[int], marker: bytes) -> set[int]:
-    """``roots``, their descendants, and the processes whose environment holds ``marker``."""
-    children: dict[int, list[int]] = {}
-    found = set(roots)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-            if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                found.add(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    todo, out = list(found), set()
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.add(pid)
-            todo.extend(children.get(pid, []))
-    return out
+from bench_secure_aggregation import proc_tree  # noqa: E402 -- after the environment above
 
 
 def stop(proc: subprocess.Popen[bytes], marker: bytes) -> list[int]:
