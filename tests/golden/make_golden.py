@@ -1,8 +1,12 @@
 """Writes tests/golden/results.json: a small run of every built-in algorithm (in-process), its
 metrics and its released state, to the last digit. ``tests/test_golden.py`` reruns the same
 configs and compares; regenerate only when a change of results is intended (and say why).
+Machines whose float kernels differ (torch's CPU dispatch: the deep runs differ in the 7th
+digit) reproduce their own results to the last digit: ``--alternate`` records this machine's
+where only those differ (tests/golden/alternates.json, with the CPU they came from).
 
-    python tests/golden/make_golden.py
+    python tests/golden/make_golden.py               # rewrites results.json
+    python tests/golden/make_golden.py --alternate   # adds this machine's float variants
 """
 
 from __future__ import annotations
@@ -90,6 +94,24 @@ def untimed(value):
     return value
 
 
+FLOAT_PARTS = ("metrics", "rounds", "state")  # what a machine's float kernels may change
+
+
+def machine() -> str:
+    """The CPU and torch's kernel dispatch of this machine (recorded with an alternate)."""
+    import platform
+
+    try:
+        import torch
+
+        kernels = f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+    except ImportError:
+        kernels = "no torch"
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if line.startswith("model name")), platform.processor())
+    return f"{model}; {kernels}"
+
+
 if __name__ == "__main__":
     import tempfile
 
@@ -98,4 +120,22 @@ if __name__ == "__main__":
         for name, values in configs().items():
             golden[name] = {"values": values, **run(values, Path(tmp))}
             print(name, golden[name]["metrics"])
-    (HERE / "results.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    if "--alternate" not in sys.argv:
+        (HERE / "results.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        sys.exit(0)
+    # --alternate: keep results.json; record this machine's float results where only they
+    # differ (same values, config and privacy: a code change is never an alternate)
+    stored = json.loads((HERE / "results.json").read_text())
+    path = HERE / "alternates.json"
+    alternates = json.loads(path.read_text()) if path.exists() else {}
+    for name, now in golden.items():
+        old = stored[name]
+        if any(now[p] != old[p] for p in ("values", "config", "privacy")):
+            sys.exit(f"{name}: not a machine's float difference (values, config or privacy "
+                     "changed): regenerate results.json instead, and say why")
+        known = [old] + alternates.get(name, [])
+        if not any(all(now[p] == k[p] for p in FLOAT_PARTS) for k in known):
+            alternates.setdefault(name, []).append(
+                {"machine": machine(), **{p: now[p] for p in FLOAT_PARTS}})
+            print(f"{name}: alternate recorded")
+    path.write_text(json.dumps(alternates, indent=1, sort_keys=True) + "\n")
