@@ -12,7 +12,13 @@ import math
 
 import numpy as np
 import pytest
-from secure_helpers import fix_node_noise, instrument, make_config, quiet
+from secure_helpers import (
+    assert_nothing_in_plain,
+    fix_node_noise,
+    instrument,
+    make_config,
+    quiet,
+)
 
 from fedpriv.config import ConfigError
 from fedpriv.secagg import graph as G
@@ -54,6 +60,9 @@ def test_a_ring_round_equals_the_distributed_release_with_nodes_crashing(monkeyp
         assert reply["dst"] == msg["peers"] and len(reply["ciphertexts"]) == plan.k
     degree = collections.Counter(v for m in keys.messages.values() for v in m["peers"])
     assert set(degree.values()) == {plan.k}  # a regular graph: every node k times a peer
+    # nothing a node sent in a ring round holds its vector, its counts or a metric in plain
+    for exchange in record.exchanges:
+        assert_nothing_in_plain(exchange, record, K)
 
 
 def test_a_nodes_messages_grow_with_its_neighbours_not_the_node_count(monkeypatch):
@@ -152,7 +161,7 @@ def test_a_threshold_set_on_a_ring_keeps_the_majority_as_the_rounds_minimum():
     cfg = make_config(aggregation="secure", num_users=5000, users_per_node=5,
                       secure_neighbours=48, secure_threshold=28)
     plan = check_threshold(cfg, 1000)
-    assert (plan.k, plan.t, plan.minimum, plan.ring_floor) == (48, 28, 501, 900)
+    assert (plan.k, plan.t, plan.minimum, plan.drawn) == (48, 28, 501, 900)
 
 
 def test_the_graph_is_every_nodes_own_computation_and_regular():

@@ -51,18 +51,15 @@ RING_FROM = 64  # automatic neighbourhoods from this many nodes; the complete gr
 class GraphPlan:
     """A round's neighbourhood size ``k`` (``nodes - 1``: the complete graph), the Shamir
     threshold ``t`` within a neighbourhood, the fewest survivors a round is unmasked with,
-    and the failure probabilities the choice was made for (0 for the complete graph)."""
+    the failure probabilities the choice was made for (0 for the complete graph) and the
+    fewest nodes the graph is drawn over (a ring: all but the declared dropouts)."""
 
     k: int
     t: int
     minimum: int
     privacy_failure: float
     completion_failure: float
-    drawn: int = 0  # the fewest nodes the ring may be drawn over (U1); 0: ``minimum``
-
-    @property
-    def ring_floor(self) -> int:
-        return self.drawn or self.minimum
+    drawn: int  # the fewest nodes the graph may be drawn over (U1)
 
     def complete(self, nodes: int) -> bool:
         return self.k >= nodes - 1
@@ -115,9 +112,9 @@ def _plan(nodes: int, colluders: int, dropouts: int, k: int, t: int, majority: i
                     if stuck <= COMPLETION_FAILURE:
                         return GraphPlan(k_try, t_try, majority, leak, stuck, drawn)
                     break  # a larger t only makes completion harder
-        return GraphPlan(nodes - 1, majority, majority, 0.0, 0.0)
+        return GraphPlan(nodes - 1, majority, majority, 0.0, 0.0, majority)
     if k >= nodes - 1:
-        return GraphPlan(nodes - 1, t or majority, t or majority, 0.0, 0.0)
+        return GraphPlan(nodes - 1, t or majority, t or majority, 0.0, 0.0, t or majority)
     if t == 0:
         t = next((t_try for t_try in range(2, k + 2) if plan_failures(
             nodes, colluders, dropouts, k, t_try)[0] <= PRIVACY_FAILURE), k + 1)
@@ -151,10 +148,20 @@ def plan(config: RunConfig, nodes: int) -> GraphPlan:
 
 
 def check(config: RunConfig, nodes: int) -> GraphPlan:
-    """The plan, or a ``ConfigError`` naming the key when the neighbourhoods it sets miss the
-    failure targets (before round 1)."""
+    """The plan, or a ``ConfigError`` naming the key (before round 1): a complete graph's
+    threshold the nodes cannot meet or that colluders reach; neighbourhoods that miss the
+    failure targets."""
     p = plan(config, nodes)
     if p.complete(nodes):
+        colluders = math.floor(config.collusion_threshold * nodes)
+        if p.t > nodes:
+            raise ConfigError(f"secure-threshold: {p.t} exceeds the number of nodes ({nodes}): "
+                              "no round could be unmasked")
+        if p.t <= colluders or p.t < 2:
+            raise ConfigError(f"secure-threshold: {p.t} must exceed the nodes that may collude "
+                              f"with the server (floor(collusion-threshold * {nodes}) = "
+                              f"{colluders}) and be at least 2, or they could unmask a single "
+                              "node's vector")
         return p
     if p.k % 2 or p.k < 2:
         raise ConfigError(f"secure-neighbours: {p.k} must be an even number >= 2 (each node "
@@ -215,20 +222,20 @@ def ring(u1: Sequence[int], seed: bytes) -> list[int]:
     return [int(v) for v in ids[np.argsort(keys, kind="stable")]]
 
 
-def neighbours(order: Sequence[int], k: int, node: int) -> list[int]:
-    """``node``'s neighbours on the ring ``order`` (all others when ``k >= len - 1``), in
-    ascending id."""
+def _around(order: Sequence[int], at: int, k: int) -> list[int]:
+    """The neighbours of the node at position ``at`` of the ring ``order``, in ascending id:
+    ``k / 2`` on either side, or every other node when ``k >= len - 1``."""
     n = len(order)
     if k >= n - 1:
-        return sorted(v for v in order if v != node)
-    at = order.index(node)
+        return sorted(v for i, v in enumerate(order) if i != at)
     return sorted(order[(at + o) % n] for o in range(-(k // 2), k // 2 + 1) if o)
+
+
+def neighbours(order: Sequence[int], k: int, node: int) -> list[int]:
+    """``node``'s neighbours on the ring ``order``."""
+    return _around(order, list(order).index(node), k)
 
 
 def all_neighbours(order: Sequence[int], k: int) -> dict[int, list[int]]:
     """Every node's neighbours (the server's view of the whole graph)."""
-    n = len(order)
-    if k >= n - 1:
-        return {v: sorted(u for u in order if u != v) for v in order}
-    return {v: sorted(order[(i + o) % n] for o in range(-(k // 2), k // 2 + 1) if o)
-            for i, v in enumerate(order)}
+    return {v: _around(order, i, k) for i, v in enumerate(order)}

@@ -228,7 +228,7 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
         del state[key]  # a new round forgets the last one's secrets
     state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
                   "round/threshold": t, "round/k": k, "round/minimum": graph.minimum,
-                  "round/drawn": graph.ring_floor,
+                  "round/drawn": graph.drawn,
                   "round/layout": json.dumps(
                       layout.to_json()),
                   "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,

@@ -30,7 +30,6 @@ cannot be unmasked: the run stops there (``SecureAggregationError``), its checkp
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,24 +60,11 @@ class SecureAggregationError(RuntimeError):
 
 def check_threshold(config: RunConfig, nodes: int) -> G.GraphPlan:
     """The run's neighbourhoods and threshold, or a ``ConfigError`` naming the key, before
-    round 1: a threshold the nodes cannot meet or that colluders reach (the complete graph),
-    neighbourhoods that miss the failure targets (``fedpriv.secagg.graph.check``)."""
+    round 1 (``fedpriv.secagg.graph.check``)."""
     if nodes < 2:
         raise ConfigError(f"aggregation: secure aggregation needs at least 2 nodes, the run has "
                           f"{nodes} (set users-per-node so that num-users makes several nodes)")
-    plan = G.check(config, nodes)
-    if not plan.complete(nodes):
-        return plan
-    t = plan.t
-    colluders = math.floor(config.collusion_threshold * nodes)
-    if t > nodes:
-        raise ConfigError(f"secure-threshold: {t} exceeds the number of nodes ({nodes}): no "
-                          "round could be unmasked")
-    if t <= colluders or t < 2:
-        raise ConfigError(f"secure-threshold: {t} must exceed the nodes that may collude with "
-                          f"the server (floor(collusion-threshold * {nodes}) = {colluders}) and "
-                          "be at least 2, or they could unmask a single node's vector")
-    return plan
+    return G.check(config, nodes)
 
 
 @dataclass
@@ -149,7 +135,7 @@ class SecureRound:
         self.failures[node] = (stage, "malformed", detail[:300])
 
     def _enough(self, nodes: Sequence[int], stage: str) -> None:
-        floor = self.plan.ring_floor if stage == "setup" else self.plan.minimum
+        floor = self.plan.drawn if stage == "setup" else self.plan.minimum
         if len(nodes) < floor:
             lost = {n: f"{k}: {d}" for n, (s, k, d) in self.failures.items() if s == stage}
             raise SecureAggregationError(
@@ -212,12 +198,12 @@ class SecureRound:
         u3 = sorted(vectors)
         self._enough(u3, "collect")
         dropped = {n for n in u2 if n not in vectors}
-        revealed = self._send("unmask", {n: {
-            **base, "active": [v for v in sorted([n, *peers[n]]) if v in vectors],
-            "dropped": [v for v in peers[n] if v in dropped], "survivors": len(u3)}
-            for n in u3})
-        total = self._unmask(layout, u1, {n: bytes(keys[n]["s-pk"]) for n in u1}, u3,
-                             sorted(dropped), vectors, revealed, digests)
+        asked = {n: {"active": [v for v in sorted([n, *peers[n]]) if v in vectors],
+                     "dropped": [v for v in peers[n] if v in dropped]} for n in u3}
+        revealed = self._send("unmask", {n: {**base, **asked[n], "survivors": len(u3)}
+                                         for n in u3})
+        total = self._unmask(layout, {n: bytes(keys[n]["s-pk"]) for n in u1}, u3,
+                             sorted(dropped), vectors, asked, revealed, digests)
         n_users, n_clipped = read_counts(layout.split(total)[COUNTS])
         totals = {k: v for k, v in layout.split(total).items() if k != COUNTS}
         contrib = UserContribution(totals, n_users, n_clipped)
@@ -236,8 +222,9 @@ class SecureRound:
                 self._drop(n, "setup", f"malformed keys: {err!r}")
                 keys.pop(n)
 
-    def _unmask(self, layout: C.Layout, u1: list[int], s_pks: Mapping[int, bytes],
-                u3: list[int], dropped: list[int], vectors: Mapping[int, np.ndarray],
+    def _unmask(self, layout: C.Layout, s_pks: Mapping[int, bytes], u3: list[int],
+                dropped: list[int], vectors: Mapping[int, np.ndarray],
+                asked: Mapping[int, Mapping[str, list[int]]],
                 revealed: Mapping[int, Mapping[str, Any]], digests: Mapping[int, bytes],
                 ) -> np.ndarray:
         """The sum over ``u3`` without masks: each node's secret from the first ``t`` shares
@@ -246,8 +233,7 @@ class SecureRound:
         seed_shares: dict[int, list[bytes]] = {v: [] for v in u3}
         key_shares: dict[int, list[bytes]] = {v: [] for v in dropped}
         for n, reply in sorted(revealed.items()):
-            asked_seed = [v for v in sorted([n, *self.peers[n]]) if v in vectors]
-            asked_key = [v for v in self.peers[n] if v in key_shares]
+            asked_seed, asked_key = asked[n]["active"], asked[n]["dropped"]
             try:
                 if [int(v) for v in reply["seed-of"]] != asked_seed or [
                         int(v) for v in reply["key-of"]] != asked_key:
