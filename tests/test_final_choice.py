@@ -43,9 +43,29 @@ def test_a_mix_is_chosen_where_it_is_right_on_more_rows_than_either_model():
     local = torch.tensor([[[0.9, 0.1], [0.55, 0.45]]])
     (w,) = choice.chosen_weights(shared, local, y, mask).tolist()
     assert 0.0 < w < 1.0
-    mix = torch.softmax(w * shared.log() + (1 - w) * local.log(), -1)  # the log-linear pool
+    # the log-linear pool, the local model's log-probabilities at temperature 2
+    mix = torch.softmax(w * shared.log() + (1 - w) / 2.0 * local.log(), -1)
     assert torch.allclose(choice.mixed(torch.tensor([w]), shared, local), mix)
     assert mix.argmax(-1).tolist() == [[0, 1]]
+
+
+def test_the_pool_tempers_the_local_model_and_each_model_alone_keeps_its_own_probabilities():
+    from fedpriv.algorithms.deep.head_fit import LOCAL_TEMPERATURE, pooled
+
+    assert LOCAL_TEMPERATURE == 2.0
+    shared = torch.tensor([[[0.3, 0.7], [0.6, 0.4]]])
+    local = torch.tensor([[[0.99, 0.01], [0.2, 0.8]]])  # an over-confident local model
+    assert torch.equal(pooled(0.0, shared, local), local)  # untempered alone
+    assert torch.equal(pooled(1.0, shared, local), shared)
+    # w = 0.5: the shared log-probabilities at 1/2, the local ones at 1/4 (1/2 of 1/T)
+    by_hand = torch.softmax(0.5 * shared.log() + 0.25 * local.log(), -1)
+    assert torch.allclose(pooled(0.5, shared, local), by_hand)
+    untempered = torch.softmax(0.5 * shared.log() + 0.5 * local.log(), -1)
+    assert torch.allclose(pooled(0.5, shared, local, temperature=1.0), untempered)
+    # tempering moves the pool towards the shared model on the rows where the local model is sure
+    assert pooled(0.5, shared, local)[0, 0, 0] < untempered[0, 0, 0]
+    with pytest.raises(ValueError, match="temperature"):
+        pooled(0.5, shared, local, temperature=0.0)
 
 
 def _problem(**keys):
@@ -327,3 +347,32 @@ def test_accelerated_steps_fit_ill_conditioned_pixels_further_than_plain_ones():
     plain = loss(dm.fit_heads(x, y, mask, 4, 300, 1.0))
     fast = loss(dm.fit_heads(x, y, mask, 4, 100, 1.0, accelerated=True))
     assert fast < 0.75 * plain  # 100 accelerated steps beyond 300 plain ones
+
+
+@pytest.mark.parametrize("rows", [6, 40])  # the Gram path, and the direct one
+@pytest.mark.parametrize("start", [False, True])
+def test_heads_on_several_row_sets_at_once_are_each_sets_own_fit(rows, start):
+    """``fit_head_sets``: F row sets a user (n, F, r) fitted in one pass (the choice's folds and the full fit):
+    each is the head that set's (n, r) mask gives alone, to float64 rounding."""
+    from fedpriv.algorithms.deep.head_fit import cross_validated_heads, fit_head_sets, fit_heads
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(3, rows, 12, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (3, rows), generator=g)
+    mask = (torch.rand(3, rows, generator=g) > 0.2).double()
+    init = torch.randn(3, 4 * 12 + 4, generator=g, dtype=torch.float64) if start else None
+    sets = torch.stack([mask, mask * (torch.arange(rows) % 2), torch.zeros_like(mask)], 1)
+    for bias in (True, False):
+        together = fit_head_sets(x, y, sets, 4, 20, 1.0, init, bias, accelerated=True)
+        assert together.shape == (3, 3, 4 * 12 + (4 if bias else 0))
+        for j in range(3):
+            alone = fit_heads(x, y, sets[:, j], 4, 20, 1.0, init, bias, accelerated=True)
+            assert torch.allclose(together[:, j], alone, rtol=0, atol=1e-12), (bias, j)
+    # cross-validation: fold j's rows scored by the head fitted without them; the full fit
+    held, full = cross_validated_heads(x, y, mask, 4, 20, 1.0, 3, init, True, True)
+    assert torch.allclose(full, fit_heads(x, y, mask, 4, 20, 1.0, init, True, True), atol=1e-12)
+    fold = torch.arange(rows) % 3
+    for j in range(3):
+        head = fit_heads(x, y, mask * (fold != j), 4, 20, 1.0, init, True, True)
+        probs = torch.softmax(dm.head_logits(x, head, 4), -1)
+        assert torch.allclose(held[:, fold == j], probs[:, fold == j], atol=1e-12)
