@@ -349,30 +349,37 @@ def test_accelerated_steps_fit_ill_conditioned_pixels_further_than_plain_ones():
     assert fast < 0.75 * plain  # 100 accelerated steps beyond 300 plain ones
 
 
-@pytest.mark.parametrize("rows", [6, 40])  # the Gram path, and the direct one
+@pytest.mark.parametrize("rows", [6, 12, 40])  # the Gram path, rows = features, the direct path
 @pytest.mark.parametrize("start", [False, True])
-def test_heads_on_several_row_sets_at_once_are_each_sets_own_fit(rows, start):
-    """``fit_head_sets``: F row sets a user (n, F, r) fitted in one pass (the choice's folds and the full fit):
-    each is the head that set's (n, r) mask gives alone, to float64 rounding."""
+@pytest.mark.parametrize("accelerated", [False, True])
+def test_heads_on_several_row_sets_at_once_are_each_sets_own_fit(rows, start, accelerated):
+    """``fit_head_sets``: F row sets a user (n, F, r) fitted in one pass (the choice's folds and
+    the full fit): each is the head that set's (n, r) mask gives alone (float64: to rounding;
+    float32: to 1e-5 relative), an empty set and a user without rows included."""
     from fedpriv.algorithms.deep.head_fit import cross_validated_heads, fit_head_sets, fit_heads
 
     g = torch.Generator().manual_seed(5)
     x = torch.rand(3, rows, 12, generator=g, dtype=torch.float64)
     y = torch.randint(0, 4, (3, rows), generator=g)
     mask = (torch.rand(3, rows, generator=g) > 0.2).double()
+    mask[2] = 0.0  # a user without a valid row
     init = torch.randn(3, 4 * 12 + 4, generator=g, dtype=torch.float64) if start else None
     sets = torch.stack([mask, mask * (torch.arange(rows) % 2), torch.zeros_like(mask)], 1)
-    for bias in (True, False):
-        together = fit_head_sets(x, y, sets, 4, 20, 1.0, init, bias, accelerated=True)
-        assert together.shape == (3, 3, 4 * 12 + (4 if bias else 0))
-        for j in range(3):
-            alone = fit_heads(x, y, sets[:, j], 4, 20, 1.0, init, bias, accelerated=True)
-            assert torch.allclose(together[:, j], alone, rtol=0, atol=1e-12), (bias, j)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        xs, ss = x.to(dtype), sets.to(dtype)
+        first = None if init is None else init.to(dtype)
+        for bias in (True, False):
+            together = fit_head_sets(xs, y, ss, 4, 20, 1.0, first, bias, accelerated)
+            assert together.shape == (3, 3, 4 * 12 + (4 if bias else 0))
+            for j in range(3):
+                alone = fit_heads(xs, y, ss[:, j], 4, 20, 1.0, first, bias, accelerated)
+                assert torch.allclose(together[:, j], alone, rtol=tol, atol=tol), (dtype, bias, j)
     # cross-validation: fold j's rows scored by the head fitted without them; the full fit
-    held, full = cross_validated_heads(x, y, mask, 4, 20, 1.0, 3, init, True, True)
-    assert torch.allclose(full, fit_heads(x, y, mask, 4, 20, 1.0, init, True, True), atol=1e-12)
+    held, full = cross_validated_heads(x, y, mask, 4, 20, 1.0, 3, init, True, accelerated)
+    assert torch.allclose(full, fit_heads(x, y, mask, 4, 20, 1.0, init, True, accelerated),
+                          atol=1e-12)
     fold = torch.arange(rows) % 3
     for j in range(3):
-        head = fit_heads(x, y, mask * (fold != j), 4, 20, 1.0, init, True, True)
+        head = fit_heads(x, y, mask * (fold != j), 4, 20, 1.0, init, True, accelerated)
         probs = torch.softmax(dm.head_logits(x, head, 4), -1)
         assert torch.allclose(held[:, fold == j], probs[:, fold == j], atol=1e-12)

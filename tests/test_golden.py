@@ -72,3 +72,17 @@ def test_a_deep_runs_tolerance_is_float32_rounding_not_a_change_of_results():
     assert not close(fingerprint({"model": "mlp", "parameters": (params + 1e-3).tolist()}), base)
     assert not close(fingerprint({"model": "cnn", "parameters": params.tolist()}), base)
     assert not close(fingerprint({"model": "mlp", "parameters": params[:-1].tolist()}), base)
+    moved = params.copy()
+    moved[1234] += 0.02  # one parameter of 5,000: its block's sums show it
+    assert not close(fingerprint({"model": "mlp", "parameters": moved.tolist()}), base)
+    assert not close(fingerprint({"model": "mlp", "parameters": params.reshape(50, 100).tolist()}),
+                     base)  # the shape is compared
+    # non-finite floats, ints and lists that are not float arrays are compared exactly
+    inf = float("inf")
+    assert not close(inf, 0.5) and not close(-inf, -2.0) and close(inf, inf)
+    assert not close({"loss": inf}, {"loss": 0.3}) and not close(float("nan"), 0.3)
+    assert not close(fingerprint([1000000, 3]), fingerprint([1000005, 3]))
+    assert not close(True, 1) and not close(1, 1.0)
+    for odd in ([[1.0, 2.0], [3.0]], [{"a": 1.0}], [1, "a"], [None, 1.0], []):
+        assert fingerprint(odd) == odd  # kept as they are
+    assert close(fingerprint([[1.0, 2.0], [3.0]]), [[1.0, 2.0], [3.0 + 1e-9]])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -106,33 +107,75 @@ kernels differ between machine classes by about 2e-7 relative (measured: the rec
 alternates), a change of results by far more."""
 
 
+BLOCK = 1000  # a state's floats summed in blocks of this many: a local change shows
+
+
+def _floats(value) -> bool:
+    """Whether ``value`` is a rectangular nest of lists of numbers (not bools) holding at least
+    one float: the arrays of a released state."""
+    import numpy as np
+
+    leaves = []
+
+    def walk(v) -> bool:
+        if isinstance(v, list):
+            return all(walk(x) for x in v)
+        leaves.append(v)
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not walk(value) or not any(isinstance(v, float) for v in leaves):
+        return False
+    try:
+        np.asarray(value, dtype=np.float64)
+    except ValueError:  # ragged
+        return False
+    return True
+
+
 def fingerprint(value):
-    """``value`` (a released state) with each list of numbers replaced by its size, sum, sum of
-    absolute values, sum of squares and a sum weighted by ``i mod 7 - 3`` (a shuffle of the
-    entries changes it): what ``close`` compares where the digest differs by float rounding."""
+    """``value`` (a released state) with each array of floats replaced by its shape and, per
+    block of ``BLOCK`` entries, its sum, sum of absolute values, sum of squares and a sum
+    weighted by ``i mod 7 - 3`` (a shuffle within a block changes it): what ``close`` compares
+    where the digest differs by float rounding. Everything else (strings, ints, lists of them)
+    is kept as it is, and compared exactly."""
     if isinstance(value, dict):
         return {k: fingerprint(v) for k, v in value.items()}
-    if isinstance(value, list) and value and not isinstance(value[0], str):
+    if isinstance(value, list) and _floats(value):
         import numpy as np
 
-        flat = np.asarray(value, dtype=np.float64).ravel()
-        weights = np.arange(flat.size) % 7 - 3.0
-        return {"size": int(flat.size), "sum": float(flat.sum()), "l1": float(np.abs(flat).sum()),
-                "sumsq": float(flat @ flat), "weighted": float(flat @ weights)}
+        array = np.asarray(value, dtype=np.float64)
+        flat = array.ravel()
+        blocks = [flat[i:i + BLOCK] for i in range(0, flat.size, BLOCK)]
+        weights = np.arange(BLOCK) % 7 - 3.0
+        return {"shape": list(array.shape),
+                "blocks": [{"sum": float(b.sum()), "l1": float(np.abs(b).sum()),
+                            "sumsq": float(b @ b), "weighted": float(b @ weights[:b.size])}
+                           for b in blocks]}
     return value
+
+
+def _block_close(now, stored, rtol: float) -> bool:
+    if not isinstance(now, dict) or set(now) != set(stored):
+        return False
+    if not all(isinstance(now[k], float) and math.isfinite(now[k]) for k in now):
+        return False
+    scale = max(stored["l1"], 1e-300)
+    return (abs(now["sum"] - stored["sum"]) <= rtol * scale
+            and abs(now["l1"] - stored["l1"]) <= rtol * scale
+            and abs(now["weighted"] - stored["weighted"]) <= 3 * rtol * scale
+            and abs(now["sumsq"] - stored["sumsq"]) <= 2 * rtol * max(stored["sumsq"], 1e-300))
 
 
 def close(now, stored, rtol: float = DEEP_RTOL) -> bool:
     """Whether ``now`` equals ``stored`` but for floats within ``rtol`` (relative; a state's
-    sums relative to its sum of absolute values)."""
-    if isinstance(stored, dict) and {"size", "sum", "l1", "sumsq", "weighted"} == set(stored):
-        if not isinstance(now, dict) or now.get("size") != stored["size"]:
-            return False
-        scale = max(stored["l1"], 1e-300)
-        return (abs(now["sum"] - stored["sum"]) <= rtol * scale
-                and abs(now["l1"] - stored["l1"]) <= rtol * scale
-                and abs(now["weighted"] - stored["weighted"]) <= 3 * rtol * scale
-                and abs(now["sumsq"] - stored["sumsq"]) <= 2 * rtol * max(stored["sumsq"], 1e-300))
+    block sums relative to the block's sum of absolute values). Ints, bools, strings, shapes
+    and non-finite floats must be equal."""
+    if isinstance(stored, dict) and set(stored) == {"shape", "blocks"}:
+        return (isinstance(now, dict) and set(now) == set(stored)
+                and now["shape"] == stored["shape"]
+                and len(now["blocks"]) == len(stored["blocks"])
+                and all(_block_close(a, b, rtol) for a, b in zip(now["blocks"],
+                                                                  stored["blocks"], strict=True)))
     if isinstance(stored, dict):
         return isinstance(now, dict) and now.keys() == stored.keys() and all(
             close(now[k], stored[k], rtol) for k in stored)
@@ -140,7 +183,9 @@ def close(now, stored, rtol: float = DEEP_RTOL) -> bool:
         return isinstance(now, list) and len(now) == len(stored) and all(
             close(a, b, rtol) for a, b in zip(now, stored, strict=True))
     if isinstance(stored, float) and isinstance(now, float):
-        return abs(now - stored) <= rtol * max(abs(stored), abs(now)) + 1e-12
+        if not (math.isfinite(now) and math.isfinite(stored)):
+            return now == stored or (math.isnan(now) and math.isnan(stored))
+        return math.isclose(now, stored, rel_tol=rtol, abs_tol=1e-12)
     return type(now) is type(stored) and now == stored
 
 
@@ -181,7 +226,7 @@ if __name__ == "__main__":
             sys.exit(f"{name}: not a machine's float difference (values, config or privacy "
                      "changed): regenerate results.json instead, and say why")
         known = [old] + alternates.get(name, [])
-        if not any(all(now[p] == k[p] for p in FLOAT_PARTS) for k in known):
+        if not any(all(now[p] == k.get(p) for p in FLOAT_PARTS) for k in known):
             alternates.setdefault(name, []).append(
                 {"machine": machine(), **{p: now[p] for p in FLOAT_PARTS}})
             print(f"{name}: alternate recorded")

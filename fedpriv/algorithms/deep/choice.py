@@ -100,7 +100,8 @@ def shared_predictions(config: DeepConfig, problem: DeepProblem, model: torch.Te
 def local_predictions(config: DeepConfig, problem: DeepProblem, train: UserBlock,
                       scored: UserBlock) -> Predictions:
     """The user's own model: a linear softmax model on its raw inputs (with a bias), fitted
-    on its training rows alone by accelerated descent (as deep-local-only's linear learner)."""
+    on its training rows alone by accelerated descent (as deep-local-only's linear learner,
+    to float rounding: the folds and the full fit run in one pass, ``head_fit.fit_head_sets``)."""
     n, r = train.y.shape
     m, w = scored.y.shape
     return _cross_validated(train.x.reshape(n, r, -1), scored.x.reshape(m, w, -1), train,
