@@ -11,8 +11,7 @@ under ``fedrep``; that head was fitted on all the node's rows in earlier rounds,
 included, so under ``fedrep`` the cross-validation flatters the shared model a little, the
 direction ties go too) and its **local** model (a linear softmax model on its raw inputs, fitted
 on its rows alone by accelerated descent). It keeps the log-linear pool ``softmax(w log p_shared
-+ (1 - w) log p_local / 2)`` of their class probabilities (the interpolation of their logits, the
-local model's at temperature ``head_fit.LOCAL_TEMPERATURE``) for
++ (1 - w) log p_local)`` of their class probabilities (the interpolation of their logits) for
 the weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model) of least
 cross-entropy by k-fold cross-validation on its training rows (row j in fold j mod k;
 both models refitted on the other folds), ties to the larger weight; then both are fitted on all
@@ -27,7 +26,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Context
 
-from fedpriv.algorithms.deep.head_fit import LOCAL_TEMPERATURE, cross_validated_heads, mix_weights
+from fedpriv.algorithms.deep.head_fit import cross_validated_heads, mix_weights
 from fedpriv_flwr.heads import flat_head, head_inputs, head_module, set_head
 from fedpriv_flwr.personal import personal_phases
 
@@ -64,8 +63,7 @@ class Kept(torch.nn.Module):
         # head_fit.pooled, in log space (no probability underflows at large logit gaps)
         shared = torch.log_softmax(self.model(x), -1)
         local = torch.log_softmax(self.local_logits(x), -1)
-        return torch.log_softmax(self.weight * shared
-                                 + (1 - self.weight) / LOCAL_TEMPERATURE * local, -1)
+        return torch.log_softmax(self.weight * shared + (1 - self.weight) * local, -1)
 
 
 def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int = 100,

@@ -43,29 +43,9 @@ def test_a_mix_is_chosen_where_it_is_right_on_more_rows_than_either_model():
     local = torch.tensor([[[0.9, 0.1], [0.55, 0.45]]])
     (w,) = choice.chosen_weights(shared, local, y, mask).tolist()
     assert 0.0 < w < 1.0
-    # the log-linear pool, the local model's log-probabilities at temperature 2
-    mix = torch.softmax(w * shared.log() + (1 - w) / 2.0 * local.log(), -1)
+    mix = torch.softmax(w * shared.log() + (1 - w) * local.log(), -1)  # the log-linear pool
     assert torch.allclose(choice.mixed(torch.tensor([w]), shared, local), mix)
     assert mix.argmax(-1).tolist() == [[0, 1]]
-
-
-def test_the_pool_tempers_the_local_model_and_each_model_alone_keeps_its_own_probabilities():
-    from fedpriv.algorithms.deep.head_fit import LOCAL_TEMPERATURE, pooled
-
-    assert LOCAL_TEMPERATURE == 2.0
-    shared = torch.tensor([[[0.3, 0.7], [0.6, 0.4]]])
-    local = torch.tensor([[[0.99, 0.01], [0.2, 0.8]]])  # an over-confident local model
-    assert torch.equal(pooled(0.0, shared, local), local)  # untempered alone
-    assert torch.equal(pooled(1.0, shared, local), shared)
-    # w = 0.5: the shared log-probabilities at 1/2, the local ones at 1/4 (1/2 of 1/T)
-    by_hand = torch.softmax(0.5 * shared.log() + 0.25 * local.log(), -1)
-    assert torch.allclose(pooled(0.5, shared, local), by_hand)
-    untempered = torch.softmax(0.5 * shared.log() + 0.5 * local.log(), -1)
-    assert torch.allclose(pooled(0.5, shared, local, temperature=1.0), untempered)
-    # tempering moves the pool towards the shared model on the rows where the local model is sure
-    assert pooled(0.5, shared, local)[0, 0, 0] < untempered[0, 0, 0]
-    with pytest.raises(ValueError, match="temperature"):
-        pooled(0.5, shared, local, temperature=0.0)
 
 
 def _problem(**keys):

@@ -111,9 +111,8 @@ def test_a_mix_is_the_log_linear_pool_of_the_two_models_and_each_output_normalis
         kept = Kept(model, local, 2, w)
         with torch.no_grad():
             out = kept(x)
-            # the two models' logits, the local one at T = 2 in a pool; alone, untempered
-            logits = w * torch.log_softmax(model(x), -1) + (1 - w) / (2.0 if w > 0 else 1.0) * (
-                torch.log_softmax(kept.local_logits(x), -1))
+            logits = w * torch.log_softmax(model(x), -1) + (1 - w) * torch.log_softmax(
+                kept.local_logits(x), -1)  # the interpolation of the two models' logits
         assert torch.allclose(out, torch.log_softmax(logits, -1), atol=1e-5), w
         assert torch.allclose(out.logsumexp(-1), torch.zeros(30), atol=1e-5), w
     assert "local" in dict(kept.named_buffers())  # moves with .to() and is in state_dict

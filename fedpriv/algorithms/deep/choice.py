@@ -6,9 +6,7 @@ softmax model on its raw inputs, fitted on its own training rows alone by accele
 descent, as deep-local-only's linear learner) and the method's **shared** personal model
 (FedRep's head on the released body, DP-FedAvg's global model, or the global head fine-tuned).
 It keeps one of five predictors: the log-linear pool ``softmax(w log p_shared + (1 - w) log
-p_local / 2)`` of the two models' class probabilities (the interpolation of their logits, the
-local model's at temperature ``head_fit.LOCAL_TEMPERATURE``: alone on a user's few rows it is
-over-confident) for a
+p_local)`` of the two models' class probabilities (the interpolation of their logits) for a
 weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model alone; 0: the local model alone; between:
 a mix, as the per-user interpolation of adaptive personalized FL, Deng et al. 2020; not the mix
 of the probabilities, whose hedging cross-entropy rewards without more rows right).

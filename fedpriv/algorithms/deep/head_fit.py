@@ -9,15 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LOCAL_TEMPERATURE", "cross_validated_heads", "fit_head_sets", "fit_heads",
-           "head_logits", "head_step_sizes", "mix_weights", "pooled"]
-
-LOCAL_TEMPERATURE = 2.0
-"""The local model's temperature inside a pool (``pooled``): its log-probabilities divided by 2
-before they are mixed with the shared model's. A user's own model, fitted on its few rows by
-accelerated descent, is over-confident: untempered, the pools that users kept lost to the shared
-model where it was far better (docs: results, "Each user's final choice"). The local model alone
-(weight 0) keeps its own probabilities."""
+__all__ = ["cross_validated_heads", "fit_head_sets", "fit_heads", "head_logits",
+           "head_step_sizes", "mix_weights", "pooled"]
 
 
 def head_step_sizes(feats: torch.Tensor, mask: torch.Tensor, lr: float) -> torch.Tensor:
@@ -139,15 +132,12 @@ def _look_ahead(now: tuple[torch.Tensor, torch.Tensor], last: tuple[torch.Tensor
     return now[0] + m * (now[0] - last[0]), now[1] + m * (now[1] - last[1])
 
 
-def pooled(weight: torch.Tensor | float, shared: torch.Tensor, local: torch.Tensor,
-           temperature: float = LOCAL_TEMPERATURE) -> torch.Tensor:
+def pooled(weight: torch.Tensor | float, shared: torch.Tensor, local: torch.Tensor
+           ) -> torch.Tensor:
     """The log-linear pool of two models' class probabilities (..., C) with the shared model's
     weight (a number, or one a user broadcast over its rows): ``softmax(w log p_shared + (1 - w)
-    log p_local / T)``, i.e. the interpolation of the shared model's logits and the local
-    model's logits at temperature ``T`` (``LOCAL_TEMPERATURE``); each model itself, untempered,
-    at ``w`` = 1 or 0, so the other model's values (non-finite ones included) do not enter."""
-    if not temperature > 0:
-        raise ValueError(f"pooled: the local model's temperature must be > 0, got {temperature}")
+    log p_local)``, i.e. the interpolation of the two models' logits; each model itself at
+    ``w`` = 1 or 0, so the other model's values (non-finite ones included) do not enter."""
     w = torch.as_tensor(weight, dtype=shared.dtype, device=shared.device)
     if w.dim() not in (0, shared.dim() - 2):
         raise ValueError(f"pooled: one weight, or one a user of (users, rows, classes); got "
@@ -156,7 +146,7 @@ def pooled(weight: torch.Tensor | float, shared: torch.Tensor, local: torch.Tens
     tiny = torch.finfo(shared.dtype).tiny
     inner = (w > 0) & (w < 1)
     mix = torch.softmax(torch.where(inner, w * shared.clamp_min(tiny).log()
-                                    + (1 - w) / temperature * local.clamp_min(tiny).log(), 0.0), -1)
+                                    + (1 - w) * local.clamp_min(tiny).log(), 0.0), -1)
     return torch.where(w == 1, shared, torch.where(w == 0, local, mix))
 
 
