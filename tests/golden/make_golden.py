@@ -58,6 +58,14 @@ def family(module: str) -> str:
     raise ValueError(module)
 
 
+def float32(values: dict) -> bool:
+    """Whether ``values``' algorithm is of the deep family (torch, float32: ``close`` applies)."""
+    from fedpriv.algorithms.catalogue import BUILTIN
+
+    return any(cls.name == values["algorithm"] and family(cls.__module__) == "deep"
+               for cls in BUILTIN)
+
+
 def configs() -> dict[str, dict]:
     from fedpriv.algorithms.catalogue import BUILTIN
 

@@ -16,8 +16,12 @@ __all__ = ["cross_validated_heads", "fit_head_sets", "fit_heads", "head_logits",
 def head_step_sizes(feats: torch.Tensor, mask: torch.Tensor, lr: float) -> torch.Tensor:
     """Each user's head step size: ``lr`` times ``1/L``, where ``L = mean ||f||^2 / 2 + 1/2``
     bounds the smoothness of its mean cross-entropy in the head (weights and bias) over its
-    valid rows; so ``lr <= 1`` never diverges, whatever the scale of the features. (n,)"""
-    sq = (feats.pow(2).sum(-1) * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+    valid rows; so ``lr <= 1`` never diverges, whatever the scale of the features. (n,); with
+    row sets ``mask`` (n, F, r), one a set (n, F), the rows' norms computed once."""
+    rows = feats.pow(2).sum(-1)  # (n, r)
+    if mask.dim() == 3:
+        rows = rows[:, None, :]
+    sq = (rows * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
     return lr / (0.5 * sq + 0.5)
 
 
@@ -84,7 +88,7 @@ def fit_head_sets(feats: torch.Tensor, y: torch.Tensor, sets: torch.Tensor, num_
     10 classes then runs along long rows (about 10 times faster than over a last axis of 10)."""
     n, r, h = feats.shape
     f, c = sets.shape[1], num_classes
-    rate = torch.stack([head_step_sizes(feats, sets[:, j], lr) for j in range(f)], 1)  # (n, F)
+    rate = head_step_sizes(feats, sets, lr)  # (n, F)
     step = rate[:, None, :, None]  # (n, 1, F, 1)
     if init is None:
         w0 = feats.new_zeros(n, c, h)
