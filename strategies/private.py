@@ -34,13 +34,13 @@ def _log(text: str) -> None:
     print(text, flush=True)
 
 
-POLL_FIRST, POLL_GROWTH, POLL_MAX = 0.01, 1.5, 0.1
+POLL_FIRST, POLL_GROWTH, POLL_MAX = 0.01, 1.5, 0.03
 
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
     """``grid.send_and_receive`` with a shorter poll: Flower's waits 0.1 s (simulation) or 3 s
     (deployment) between pulls, which a secure round pays in each of its four stages; this one
-    pulls after 10 ms, then 1.5x longer each time, at most 0.1 s. A stand-in that is not a
+    pulls after 10 ms, then 1.5x longer each time, at most 30 ms. A stand-in that is not a
     Flower ``Grid`` (tests' loopback grids) answers through its own ``send_and_receive``."""
     if not isinstance(grid, Grid):
         return list(grid.send_and_receive(messages, timeout=timeout))

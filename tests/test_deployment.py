@@ -479,6 +479,7 @@ def _in_process(num_partitions: int) -> dict:
 def _matches_the_simulation(results: dict, nodes: int) -> None:
     local = _in_process(nodes)
     assert results["runtime"] == "flower" and results["num_nodes"] == nodes
+    assert results["profile"]["indexed_dispatch"] is False  # a SuperLink's own state: Flower's
     assert all(r["nodes_answered"] == nodes for r in results["rounds"])
     assert results["privacy"]["ledger"] == local["privacy"]["ledger"]
     assert [e["release"] for e in results["privacy"]["ledger"]] == ["init", "round-1"]

@@ -55,6 +55,7 @@ def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_en
                for s in profile["steps"])
     assert (profile["serverapp_started_unix"] <= profile["nodes_discovered_unix"]
             <= profile["steps_done_unix"])
+    assert profile["indexed_dispatch"] is True  # strategies.sim_dispatch, in the engine's state
     release = json.loads((tmp_path / "results.release.json").read_text())
     assert "profile" not in release and "profile" not in json.dumps(release)
     # the local SuperLink the CLI started has been stopped

@@ -272,9 +272,9 @@ def test_flowers_noise_is_filtered_and_the_run_kept():
 
 
 def test_a_small_run_gets_one_clientapp_actor_and_a_large_one_one_per_core(monkeypatch):
-    """The actor count follows the users' estimated work (fedpriv.cost): the default job's
-    0.1 s of user work gets one actor (a second would cost more to start than it saves), a
-    deep Fashion-MNIST run one per core, and so does a run whose nodes time out."""
+    """The actor count follows the users' estimated work (fedpriv.cost) and node messages: the
+    default job's 0.1 s of user work gets one actor (a second would cost more to start than it
+    saves), a deep Fashion-MNIST run one per core, and so does a run whose nodes time out."""
     from fedpriv.configure import parse_config
     from fedpriv.launcher import client_actors
 
@@ -286,3 +286,12 @@ def test_a_small_run_gets_one_clientapp_actor_and_a_large_one_one_per_core(monke
     assert client_actors(deep, nodes=3) == 3  # never more actors than nodes
     timeouts = parse_config({"node-fault-rate": 0.2, "node-fault-kind": "timeout"})
     assert client_actors(timeouts, nodes=10) == 4
+    # node messages count too (launcher.MESSAGE_S each; a secure step sends four a node): a
+    # light run of 1,000 nodes, or a secure one of 100, gets one actor per core
+    light = {"algorithm": "private-fedrep", "rounds": 2, "accountant": "rdp",
+             "users-per-node": 20}
+    assert client_actors(parse_config({**light, "num-users": 2000}), nodes=100) == 1
+    assert client_actors(parse_config({**light, "num-users": 20000}), nodes=1000) == 4
+    secure = parse_config({**light, "num-users": 2000, "aggregation": "secure"})
+    assert client_actors(secure, nodes=100) == 4
+    assert client_actors(secure, nodes=10) == 1

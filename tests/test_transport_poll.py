@@ -1,5 +1,5 @@
 """The strategy's own poll of Flower's Grid (strategies.private.exchange): every reply comes
-back, the first pause is 10 ms, the pauses grow 1.5x to at most 0.1 s, the timeout holds;
+back, the first pause is 10 ms, the pauses grow 1.5x to at most 30 ms, the timeout holds;
 a stand-in that is not a Flower Grid answers through its own send_and_receive."""
 
 from __future__ import annotations
