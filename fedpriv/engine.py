@@ -19,7 +19,7 @@ from fedpriv.nodes import add_contributions, auto_num_nodes, node_step, simulate
 from fedpriv.progress import StepProgress
 from fedpriv.secagg.local import LocalNodes
 from fedpriv.server import NodeReply, PrivateServer
-from fedpriv.server.secagg import SecureRound
+from fedpriv.server.secagg import KeysAhead, SecureRound
 
 
 def run_in_process(config: RunConfig, num_partitions: int | None = None,
@@ -34,6 +34,7 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
     try:
         algorithm_cls = type(server.algorithm)
         local = LocalNodes(config, algorithm_cls, parts)
+        ahead: KeysAhead | None = None  # after a resume: none, a full setup first
         while (step := server.next_step()) is not None:
             t0 = time.perf_counter()
             arrays = server.payload(step)
@@ -43,9 +44,10 @@ def run_in_process(config: RunConfig, num_partitions: int | None = None,
                 server.record_unsent(step, t0)
                 continue
             if server.secure:
-                server.aggregate_secure(step, SecureRound(
-                    local.send, step, arrays, range(parts), server.graph, server.history(),
-                    log, count=parts).run(), t0)
+                outcome = SecureRound(local.send, step, arrays, range(parts), server.graph,
+                                      server.history(), log, count=parts, ahead=ahead).run()
+                ahead = outcome.ahead  # the next secure round: three exchanges
+                server.aggregate_secure(step, outcome, t0)
                 continue
             failing = failing_partitions(config.seed, step.label, parts, config.node_fault_rate)
             replies = []

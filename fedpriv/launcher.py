@@ -384,9 +384,9 @@ def client_actors(config: RunConfig, nodes: int) -> int:
     work = sum(t.value for t in est.time if t.name == "user work")
     stages = 1
     if config.aggregation == "secure":
-        from fedpriv.server.secagg import STAGES  # a secure step: four exchanges
+        from fedpriv.server.secagg import EXCHANGES  # a secure step: three exchanges
 
-        stages = len(STAGES)
+        stages = EXCHANGES
     messages = est.steps * nodes * stages
     return 1 if work + messages * MESSAGE_S < SMALL_RUN_S else per_core
 

@@ -27,7 +27,7 @@ from fedpriv.config import RunConfig
 from fedpriv.progress import Waiting
 from fedpriv.secagg.node import Failure
 from fedpriv.server import NodeReply, PrivateServer, summary_lines
-from fedpriv.server.secagg import Reply, SecureRound
+from fedpriv.server.secagg import KeysAhead, Reply, SecureRound
 
 
 def _log(text: str) -> None:
@@ -39,7 +39,7 @@ POLL_FIRST, POLL_GROWTH, POLL_MAX = 0.01, 1.5, 0.03
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
     """``grid.send_and_receive`` with a shorter poll: Flower's waits 0.1 s (simulation) or 3 s
-    (deployment) between pulls, which a secure round pays in each of its four stages; this one
+    (deployment) between pulls, which a secure round pays in each of its exchanges; this one
     pulls after 10 ms, then 1.5x longer each time, at most 30 ms. A stand-in that is not a
     Flower ``Grid`` (tests' loopback grids) answers through its own ``send_and_receive``."""
     if not isinstance(grid, Grid):
@@ -225,6 +225,7 @@ class PrivateStrategy(Strategy):
     # -- the whole run ------------------------------------------------------------------------
     def run(self, grid: Grid) -> dict[str, Any]:
         started = time.perf_counter()
+        ahead: KeysAhead | None = None  # after a resume: none, a full setup first
         while (step := self.server.next_step()) is not None:
             number = self.server.completed + 1
             self._step, self._started = step, time.perf_counter()
@@ -235,7 +236,8 @@ class PrivateStrategy(Strategy):
                 outcome = SecureRound(self._secure_send(grid), step, self.server.payload(step),
                                       sorted(self.partitions.values()), self.server.graph,
                                       self.server.history(), _log,
-                                      count=self.server.num_partitions).run()
+                                      count=self.server.num_partitions, ahead=ahead).run()
+                ahead = outcome.ahead  # the next secure round: three exchanges
                 self.server.aggregate_secure(step, outcome, self._started)
                 continue
             arrays = ArrayRecord({k: Array(np.asarray(v))

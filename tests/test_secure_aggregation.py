@@ -83,11 +83,18 @@ def test_the_server_reads_only_masked_vectors_and_unmasks_exactly_the_survivors_
             assert np.count_nonzero(reply["masked"] == vectors[pid]) <= 1
             assert np.all(reply["masked"] <= layout.moduli())
         # the dropped nodes' masks were reconstructed from their key shares, theirs only
+        # (the lost nodes are asked only for their keys of the next round: they reveal nothing)
         unmask = record.stage(label, "unmask")
-        for message in unmask.messages.values():
+        only = {n for n, m in unmask.messages.items() if m.get("keys-only")}
+        assert only == expected_lost
+        for n, message in unmask.messages.items():
+            if n in only:
+                assert set(message) == {"round", "keys-only", "next-round"}
+                assert set(unmask.replies[n]) == {"next-c-pk", "next-s-pk"}
+                continue
             assert message["active"] == outcome.survivors
             assert message["dropped"] == sorted(expected_lost)
-        for reply in unmask.replies.values():
+        for reply in (r for n, r in unmask.replies.items() if n not in only):
             assert reply["key-of"] == sorted(expected_lost)
             assert len(reply["key-shares"]) == len(expected_lost)
             assert reply["seed-of"] == outcome.survivors
@@ -494,6 +501,8 @@ def test_a_stopped_secure_run_resumes_with_the_uninterrupted_runs_ledger(
     resumed = quiet(make_config(rounds=2, resume=True), checkpoint_path=path)
     assert resumed["resumed_from_step"] == 2
     assert list(record.labels.values()) == ["round-2"]  # the final step is not sent
+    # the resumed server holds no keys ahead: a full setup, four exchanges
+    assert [e.stage for e in record.exchanges] == ["setup", "share-keys", "collect", "unmask"]
     setup = record.stage("round-2", "setup").messages[0]
     assert setup["history-labels"] == ["init", "round-1"]  # the checkpointed ledger
     ledgers = [r["privacy"]["ledger"] for r in (whole, resumed)]

@@ -52,7 +52,7 @@ def test_a_ring_round_equals_the_distributed_release_with_nodes_crashing(monkeyp
     assert trust["secure_graph"] == "ring (SecAgg+)"
     assert 0 < trust["secure_privacy_failure_per_round"] <= G.PRIVACY_FAILURE
     # every node got only its neighbours' keys, and shared only with them
-    keys = record.stage("round-1", "share-keys")
+    keys = record.stage("init", "share-keys")  # the run's first secure round: a full setup
     for pid, msg in keys.messages.items():
         assert len(msg["c-pks"]) == len(msg["peers"]) == plan.k and pid not in msg["peers"]
         assert np.asarray(msg["nodes"]).nbytes == math.ceil(K / 8)
@@ -72,7 +72,7 @@ def test_a_nodes_messages_grow_with_its_neighbours_not_the_node_count(monkeypatc
         quiet(make_config(aggregation="secure", num_users=5 * nodes, users_per_node=5, dim=6))
         plan = record.servers[-1].graph
         sent = [sum(payload_bytes(m) for m in e.messages.values()) / len(e.messages)
-                for e in record.exchanges if e.label == "round-1" and e.stage != "setup"]
+                for e in record.exchanges if e.label == "init" and e.stage != "setup"]
         per_node[nodes] = (plan.k, sum(sent))
     (k1, b1), (k2, b2) = per_node[K], per_node[2 * K]
     assert k2 < 2 * k1  # the neighbourhood grows slowly with K ...
@@ -80,7 +80,7 @@ def test_a_nodes_messages_grow_with_its_neighbours_not_the_node_count(monkeypatc
 
 
 def _swap_a_neighbour(label, stage, messages, record):
-    if label == "round-1" and stage == "share-keys":
+    if label == "init" and stage == "share-keys":
         msg = dict(messages[3])
         outsider = next(v for v in range(K) if v != 3 and v not in msg["peers"])
         msg["peers"] = sorted([*msg["peers"][1:], outsider])
@@ -91,16 +91,16 @@ def _swap_a_neighbour(label, stage, messages, record):
 def test_a_node_refuses_a_neighbour_list_that_is_not_the_rounds_graph(monkeypatch):
     record = instrument(monkeypatch, tamper=_swap_a_neighbour)
     result = quiet(make_config(aggregation="secure", **SMALL))
-    reply = record.stage("round-1", "share-keys").replies[3]
+    reply = record.stage("init", "share-keys").replies[3]
     assert isinstance(reply, Failure) and "neighbour list is not this round's graph" in (
         reply.detail)
     # the others went on without node 3: the round was released without it
-    assert result["rounds"][1]["nodes_failed"] == 1
+    assert result["rounds"][0]["nodes_failed"] == 1
 
 
 def _lose_at_setup(count):
     def forge(label, stage, replies, record):
-        if label == "round-1" and stage == "setup":
+        if label == "init" and stage == "setup":
             for pid in range(count):
                 replies[pid] = Failure("timeout", "lost before the ring was drawn")
         return replies
@@ -111,17 +111,17 @@ def test_a_ring_is_drawn_over_all_but_the_declared_dropouts_and_no_fewer(monkeyp
     dropouts = math.floor(0.1 * K)  # secure-dropout's default: 7 of 70
     record = instrument(monkeypatch, forge=_lose_at_setup(dropouts))
     result = quiet(make_config(aggregation="secure", **SMALL))
-    assert len(record.stage("round-1", "share-keys").messages) == K - dropouts
-    assert result["rounds"][1]["nodes_failed"] == dropouts  # released without them
+    assert len(record.stage("init", "share-keys").messages) == K - dropouts
+    assert result["rounds"][0]["nodes_failed"] == dropouts  # released without them
     instrument(monkeypatch, forge=_lose_at_setup(dropouts + 1))
     with pytest.raises(SecureAggregationError, match="^secure-threshold: only 62 nodes .* "
                        "minimum 63 .*secure-dropout"):
         quiet(make_config(aggregation="secure", **SMALL))
 
 
-def _tampered(change):
+def _tampered(at, change):
     def tamper(label, stage, messages, record):
-        if label == "round-1" and stage in change:
+        if label == at and stage in change:
             messages[3] = change[stage](dict(messages[3]), record)
         return messages
     return tamper
@@ -136,23 +136,28 @@ def _beacon_neighbour(msg, record):
     return msg
 
 
-@pytest.mark.parametrize("change,why", [
-    ({"share-keys": _beacon_neighbour}, "two keys for node"),
-    ({"share-keys": lambda m, r: {**m, "nodes": np.asarray(m["nodes"])[:-1]}}, "bitmap"),
-    ({"unmask": lambda m, r: {**m, "survivors": 35}}, "inconsistent unmask request"),
+@pytest.mark.parametrize("at,change,why", [
+    ("init", {"share-keys": _beacon_neighbour}, "two keys for node"),
+    ("init", {"share-keys": lambda m, r: {**m, "nodes": np.asarray(m["nodes"])[:-1]}},
+     "bitmap"),
+    ("round-1", {"unmask": lambda m, r: {**m, "survivors": 35}}, "inconsistent unmask request"),
+    # keys ahead: the same checks on the setup that carries the key list
+    ("round-1", {"setup": _beacon_neighbour}, "two keys for node"),
+    ("round-1", {"setup": lambda m, r: {**m, "nodes": np.asarray(m["nodes"])[:-1]}}, "bitmap"),
 ])
-def test_a_node_refuses_what_it_can_check_in_a_ring_round(monkeypatch, change, why):
+def test_a_node_refuses_what_it_can_check_in_a_ring_round(monkeypatch, at, change, why):
     """A beacon node's key that differs from its neighbour copy, a node list of another size,
     a survivor count below the round's minimum (a majority: 36 of 70)."""
     fix_node_noise(monkeypatch)
-    record = instrument(monkeypatch, tamper=_tampered(change))
+    record = instrument(monkeypatch, tamper=_tampered(at, change))
     result = quiet(make_config(aggregation="secure", **SMALL))
     stage = next(iter(change))
     # the round went on: without node 3 (refused before its vector was masked), or with its
     # vector and without its shares (refused at unmask; the others' shares sufficed)
-    assert result["rounds"][1]["nodes_failed"] == (0 if stage == "unmask" else 1)
+    index = ["init", "round-1"].index(at)
+    assert result["rounds"][index]["nodes_failed"] == (0 if stage == "unmask" else 1)
     reply = record.node_replies[[i for i, e in enumerate(record.node_replies)
-                                 if e.label == "round-1" and e.stage == stage][0]].replies[3]
+                                 if e.label == at and e.stage == stage][0]].replies[3]
     assert isinstance(reply, Failure) and reply.detail.startswith("RoundRefused")
     assert why in reply.detail
 

@@ -1,4 +1,5 @@
-"""A node's side of secure aggregation: check the round's plan, then the four SecAgg stages.
+"""A node's side of secure aggregation: check the round's plan, then the four SecAgg stages
+(stages 1 and 2 in one message when the node advertised its keys in the last round's stage 4).
 
 Each stage is a function of the node's state (kept between a round's messages: Flower's
 ``context.state`` on a SuperNode, a dict in process) and of the server's message; it returns
@@ -200,12 +201,56 @@ def own_layout(step: Step, params: np.ndarray | None) -> C.Layout:
     return C.Layout(tuple(segments))
 
 
+def fresh_keys() -> dict[str, bytes]:
+    """A round's two key pairs: ``c`` for the shares' encryption, ``s`` (from the seed
+    ``s-seed``, which is what gets shared) for the pairwise masks."""
+    c_sk, c_pk = C.key_pair()
+    s_seed = secrets.token_bytes(C.SEED_BYTES)  # the mask key, shared as its seed
+    s_sk, s_pk = C.key_pair_from_seed(s_seed)
+    return {"c-sk": c_sk, "c-pk": c_pk, "s-sk": s_sk, "s-seed": s_seed, "s-pk": s_pk}
+
+
+def advertise(state: dict[str, Any], next_round: bytes) -> dict[str, Any]:
+    """Key pairs for the round ``next_round`` (its id fixed by the server before they exist,
+    so it cannot pick the id after seeing them), kept for that round's setup alone; their
+    public halves, for the server to forward then."""
+    for key in [k for k in state if k.startswith("next/")]:
+        del state[key]
+    keys = fresh_keys()
+    state.update({"next/id": bytes(next_round), **{f"next/{k}": v for k, v in keys.items()}})
+    return {"next-c-pk": keys["c-pk"], "next-s-pk": keys["s-pk"]}
+
+
+NO_KEYS = {"no-keys": True}
+"""The reply to a key list when this node holds no advertised keys at all (its state was not
+kept, e.g. a restarted SuperNode): lost like a node that did not answer, not refused."""
+
+
+def _take_keys(state: dict[str, Any], msg: Mapping[str, Any]) -> dict[str, bytes] | None:
+    """This round's key pairs: those advertised for it (a setup that brings the key list), or
+    fresh ones; advertised keys serve one setup at most. None: no advertised keys held."""
+    ahead = {k[len("next/"):]: state[k] for k in state if k.startswith("next/")}
+    for key in [k for k in state if k.startswith("next/")]:
+        del state[key]
+    if "nodes" not in msg:
+        return fresh_keys()
+    if not ahead:
+        return None
+    if ahead.get("id") != bytes(msg["round"]):
+        raise RoundRefused("the server sent the key list of a round this node advertised no "
+                           "keys for")
+    return {k: v for k, v in ahead.items() if k != "id"}
+
+
 def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
           msg: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
           compute: Callable[[Step, Mapping[str, np.ndarray]], UserContribution],
           ) -> dict[str, Any]:
     """Stage 1: check the round, compute the contribution, make this round's key pairs;
-    reply the public keys. A metrics step is refused: its nodes send no exact metrics."""
+    reply the public keys. A metrics step is refused: its nodes send no exact metrics.
+    With the keys this node advertised in the last round's unmask stage, the server sends the
+    key list too (stage 2's message): the node then takes those keys and goes on with stage 2
+    in the same reply (``share_keys``): three exchanges a round instead of four."""
     step = Step.from_json(str(msg["step"]))
     params = arrays.get(DISTRIBUTED_KEY)
     history = dict(zip(msg["history-labels"], msg["history-rho"], strict=True))
@@ -215,27 +260,25 @@ def setup(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     if (t, k) != (graph.t, graph.k) or not 2 <= t <= min(k + 1, nodes):
         raise RoundRefused(f"threshold {t} with {k} neighbours is not the run's ({graph.t} "
                            f"with {graph.k} of {nodes} nodes)")
+    for key in [k for k in state if k.startswith("round/")]:
+        del state[key]  # a new round forgets the last one's secrets
+    keys = _take_keys(state, msg)
+    if keys is None:
+        return dict(NO_KEYS)
     check_round(config, nodes, step, params, history, seen)
     plans = [[p.l2, p.l1, p.node_variance] for p in expected_shares(config, nodes, step)]
     contrib = compute(step, arrays)
     values = {COUNTS: counts_vector(contrib)}
     values.update({k: np.asarray(v).astype(np.uint64) for k, v in contrib.totals.items()})
     layout = own_layout(step, params)
-    c_sk, c_pk = C.key_pair()
-    s_seed = secrets.token_bytes(C.SEED_BYTES)  # the mask key, shared as its seed
-    s_sk, s_pk = C.key_pair_from_seed(s_seed)
-    for key in [k for k in state if k.startswith("round/")]:
-        del state[key]  # a new round forgets the last one's secrets
     state.update({"round/id": bytes(msg["round"]), "round/step": str(msg["step"]),
                   "round/threshold": t, "round/k": k, "round/minimum": graph.minimum,
-                  "round/drawn": graph.drawn,
-                  "round/layout": json.dumps(
-                      layout.to_json()),
-                  "round/c-sk": c_sk, "round/c-pk": c_pk, "round/s-sk": s_sk,
-                  "round/s-seed": s_seed,
-                  "round/s-pk": s_pk, "round/vector": layout.join(values),
-                  "round/plans": json.dumps(plans)})
-    return {"c-pk": c_pk, "s-pk": s_pk}
+                  "round/drawn": graph.drawn, "round/layout": json.dumps(layout.to_json()),
+                  **{f"round/{name}": value for name, value in keys.items()},
+                  "round/vector": layout.join(values), "round/plans": json.dumps(plans)})
+    if "nodes" in msg:
+        return share_keys(pid, nodes, state, msg)
+    return {"c-pk": keys["c-pk"], "s-pk": keys["s-pk"]}
 
 
 def _check_round_id(state: Mapping[str, Any], msg: Mapping[str, Any]) -> None:
@@ -249,8 +292,11 @@ def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, An
     nodes' keys and this node's neighbours' keys; the node computes its neighbours itself
     (``fedpriv.secagg.graph``), refuses another list, and shares its mask seed ``b_u`` and its
     mask key ``s_sk`` among itself and them (Shamir, threshold t; a share's point is its
-    holder's index in U1 plus one), each share encrypted for its holder."""
+    holder's index in U1 plus one), each share encrypted for its holder. Once a round: shared
+    again among other holders, its mask key could reach more colluders than the threshold."""
     _check_round_id(state, msg)
+    if state.get("round/shared"):
+        raise RoundRefused("this node shared its keys for this round already")
     t, k = int(state["round/threshold"]), int(state["round/k"])
     if json.loads(str(msg["layout"])) != json.loads(state["round/layout"]):
         raise RoundRefused("the server's vector layout is not this node's")
@@ -290,7 +336,8 @@ def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, An
         out.append(C.encrypt(cipher_keys[-1], C.pack_share(pid, v, seed_shares[at[v]],
                                                            key_shares[at[v]])))
     me = holders.index(pid)
-    state.update({"round/peers": mine, "round/s-pks": s_pks, "round/seed": seed,
+    state.update({"round/shared": True, "round/peers": mine, "round/s-pks": s_pks,
+                  "round/seed": seed,
                   "round/own-seed-share": seed_shares[me],
                   "round/own-key-share": key_shares[me], "round/cipher-keys": cipher_keys})
     return {"dst": mine, "ciphertexts": out, "seed-digest": C.digest(seed)}
@@ -345,6 +392,10 @@ def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     dropped, every neighbour of U2 one or the other, at least the threshold active, this node
     among them; the round's survivors at least its minimum), then the shares of the active
     nodes' mask seeds and of the dropped nodes' mask keys, never both for one node."""
+    if msg.get("keys-only"):  # not among this round's survivors: it reveals nothing
+        for key in [k for k in state if k.startswith("round/")]:
+            del state[key]
+        return advertise(state, bytes(msg["next-round"]))
     _check_round_id(state, msg)
     active = [int(v) for v in msg["active"]]
     dropped = [int(v) for v in msg["dropped"]]
@@ -379,5 +430,8 @@ def unmask(config: RunConfig, pid: int, nodes: int, state: dict[str, Any],
     state["seen-rho"] = [*state.get("seen-rho", []), rho]
     for key in [k for k in state if k.startswith("round/")]:
         del state[key]
-    return {"seed-of": seed_of, "seed-shares": seed_shares, "key-of": key_of,
-            "key-shares": key_shares}
+    reply: dict[str, Any] = {"seed-of": seed_of, "seed-shares": seed_shares, "key-of": key_of,
+                             "key-shares": key_shares}
+    if "next-round" in msg:
+        reply.update(advertise(state, bytes(msg["next-round"])))
+    return reply
