@@ -31,9 +31,9 @@ def main(grid: Grid, context: Context) -> None:
     # keeps what it computed for the strategy below), and an infeasible plan fails before any
     # node is asked anything
     check_plan(config)
+    indexed = index_dispatch(grid)  # Flower's simulation engine: O(K) dispatch, not O(K^2)
     # nodes register asynchronously (a simulation starts its workers first): wait at least
     # two minutes for them, whatever the per-step node-timeout
-    indexed = index_dispatch(grid)  # Flower's simulation engine: O(K) dispatch, not O(K^2)
     partitions = discover_partitions(grid, timeout=max(config.node_timeout, 120.0))
     discovered_unix = time.time()
     checkpoint = checkpoint_path(config) if config.checkpoint else None

@@ -295,7 +295,7 @@ def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, An
     holder's index in U1 plus one), each share encrypted for its holder. Once a round: shared
     again among other holders, its mask key could reach more colluders than the threshold."""
     _check_round_id(state, msg)
-    if state.get("round/shared"):
+    if "round/peers" in state:  # set below, once a round
         raise RoundRefused("this node shared its keys for this round already")
     t, k = int(state["round/threshold"]), int(state["round/k"])
     if json.loads(str(msg["layout"])) != json.loads(state["round/layout"]):
@@ -336,8 +336,7 @@ def share_keys(pid: int, nodes: int, state: dict[str, Any], msg: Mapping[str, An
         out.append(C.encrypt(cipher_keys[-1], C.pack_share(pid, v, seed_shares[at[v]],
                                                            key_shares[at[v]])))
     me = holders.index(pid)
-    state.update({"round/shared": True, "round/peers": mine, "round/s-pks": s_pks,
-                  "round/seed": seed,
+    state.update({"round/peers": mine, "round/s-pks": s_pks, "round/seed": seed,
                   "round/own-seed-share": seed_shares[me],
                   "round/own-key-share": key_shares[me], "round/cipher-keys": cipher_keys})
     return {"dst": mine, "ciphertexts": out, "seed-digest": C.digest(seed)}

@@ -179,11 +179,10 @@ class SecureRound:
     def _drop(self, node: int, stage: str, detail: str) -> None:
         self.failures[node] = (stage, "malformed", detail[:300])
 
-    def _enough(self, nodes: Sequence[int], stage: str, floor: int | None = None) -> None:
-        """Stop the round (nothing released) with fewer than ``floor`` nodes left after
-        ``stage`` (by default the drawn minimum after the setup, the minimum after others)."""
-        if floor is None:
-            floor = self.plan.drawn if stage == "setup" else self.plan.minimum
+    def _enough(self, nodes: Sequence[int], stage: str) -> None:
+        """Stop the round (nothing released) with too few nodes left after ``stage``: the
+        ring's drawn floor after the setup, the round's minimum after the others."""
+        floor = self.plan.drawn if stage == "setup" else self.plan.minimum
         if len(nodes) < floor:
             lost = {n: f"{k}: {d}" for n, (s, k, d) in self.failures.items() if s == stage}
             raise SecureAggregationError(
