@@ -8,6 +8,7 @@ left as Flower made it, fed the same messages, and asked the same questions.
 
 from __future__ import annotations
 
+import datetime
 import random
 import threading
 import time
@@ -169,9 +170,21 @@ def test_a_readdressed_message_goes_to_its_new_node() -> None:
     assert ours.state.message_ins_store.by_node == {}
 
 
-def test_random_operations_give_flowers_answers() -> None:
+def test_random_operations_give_flowers_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeded random pushes (some expiring), sweeps of every limit, deletions and waits, on
-    Flower's state and the indexed one side by side."""
+    Flower's state and the indexed one side by side. The states' clock is the test's: it moves
+    10 s at each wait, and an expiring message lives 5 s of it, so both states see the same
+    expiries whatever the machine's load (with the wall clock, a message could expire between
+    the two sweeps)."""
+    from flwr.server.superlink.linkstate import in_memory_linkstate
+
+    base, waits = time.time(), [0]
+
+    def clock() -> float:
+        return base + 10.0 * waits[0]
+
+    monkeypatch.setattr(in_memory_linkstate, "now",
+                        lambda: datetime.datetime.fromtimestamp(clock(), datetime.UTC))
     rng = random.Random(7)
     for _ in range(8):
         flower, ours, a, b = _twins(5)
@@ -180,7 +193,8 @@ def test_random_operations_give_flowers_answers() -> None:
             op = rng.random()
             if op < 0.4:
                 targets = [rng.randrange(5) for _ in range(rng.randint(1, 4))]
-                ttl = rng.choice([None, None, 0.02])
+                expiring = rng.random() < 1 / 3  # 5 s of the states' clock from now
+                ttl = clock() - time.time() + 5.0 if expiring else None
                 ids += zip(_messages(flower, [a[i] for i in targets], ttl=ttl),
                            _messages(ours, [b[i] for i in targets], ttl=ttl), strict=True)
             elif op < 0.8:
@@ -192,7 +206,7 @@ def test_random_operations_give_flowers_answers() -> None:
                 flower.state.delete_messages({left})
                 ours.state.delete_messages({right})
             else:
-                time.sleep(0.03)
+                waits[0] += 1
             store = ours.state.message_ins_store
             assert sorted(k for v in store.by_node.values() for k in v) == sorted(store)
 
@@ -201,11 +215,12 @@ def test_installed_while_the_dispatcher_runs_nothing_is_lost_or_repeated() -> No
     grid, nodes = _grid(30)
     stop, got = threading.Event(), []
 
-    def dispatcher() -> None:  # vce_api.add_messages_to_queue, without its 0.1 s pause
+    def dispatcher() -> None:  # vce_api.add_messages_to_queue, its 0.1 s pause made 1 ms
         while not stop.is_set():
             for node in nodes:
                 got.extend(m.metadata.message_id
                            for m in grid.state.get_message_ins(node_id=node, limit=1))
+            stop.wait(0.001)
 
     thread = threading.Thread(target=dispatcher)
     thread.start()
