@@ -12,13 +12,14 @@ included, so under ``fedrep`` the cross-validation flatters the shared model a l
 direction ties go too) and its **local** model (a linear softmax model on its raw inputs, fitted
 on its rows alone by accelerated descent). It keeps the log-linear pool ``softmax(w log p_shared
 + (1 - w) log p_local)`` of their class probabilities (the interpolation of their logits) for
-the weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model) of least
-cross-entropy by k-fold cross-validation on its training rows (row j in fold j mod k;
-both models refitted on the other folds), ties to the larger weight; then both are fitted on all
-its rows. Test rows are never read, and nothing leaves the node: a post-processing of the
-release, at no privacy cost. The returned module gives log-probabilities (its argmax is the kept
-prediction and ``CrossEntropyLoss`` on it is the mix's cross-entropy); ``.weight`` is the chosen
-``w``.
+the largest weight ``w`` in ``MIX_WEIGHTS`` (1: the shared model; 0: the local model) whose
+cross-entropy by k-fold cross-validation on its training rows (row j in fold j mod k; both
+models refitted on the other folds) is within ``std_errors`` standard errors of the least one
+(``head_fit.mix_weights``: fedpriv's ``choice-std-errors``, 0.5 by default; 0 keeps the least
+loss, ties to the larger weight); then both are fitted on all its rows. Test rows are never
+read, and nothing leaves the node: a post-processing of the release, at no privacy cost. The
+returned module gives log-probabilities (its argmax is the kept prediction and
+``CrossEntropyLoss`` on it is the mix's cross-entropy); ``.weight`` is the chosen ``w``.
 """
 
 from __future__ import annotations
@@ -67,12 +68,15 @@ class Kept(torch.nn.Module):
 
 
 def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int = 100,
-              lr: float = 1.0, folds: int = 5) -> Kept:
+              lr: float = 1.0, folds: int = 5, std_errors: float = 0.5) -> Kept:
     """The node's kept predictor (module docstring); ``model``'s head is left fitted on all
     the node's rows (the shared personal model). ``data``: a DataLoader of ``(inputs, labels)``
     or one pair, the node's training rows; ``steps``/``lr`` as ``fit_personal``'s."""
     if folds < 2:
         raise ValueError(f"keep_best: folds >= 2, got {folds}")
+    if not 0 <= std_errors < float("inf"):
+        raise ValueError(f"keep_best: std_errors is a finite number >= 0, "
+                         f"got {std_errors}")
     phases = personal_phases(model, context)
     if phases[0].name != "personal" or len(phases) != 1:
         raise ValueError("keep_best: call it in the evaluate handler (the train handler's "
@@ -87,6 +91,6 @@ def keep_best(model: torch.nn.Module, context: Context, data: object, steps: int
                                                      start, bias)
     local_held, local_full = cross_validated_heads(raw, y, rows, classes, steps, lr, folds,
                                                    None, True, accelerated=True)
-    weight = mix_weights(shared_held, local_held, y, rows, MIX_WEIGHTS)
+    weight = mix_weights(shared_held, local_held, y, rows, MIX_WEIGHTS, std_errors)
     set_head(head, shared_full[0])
     return Kept(model, local_full[0], classes, float(weight[0]))

@@ -30,7 +30,7 @@ def test_ties_go_to_the_shared_model_and_a_user_without_rows_keeps_it():
     # right); user 2: no rows
     shared = torch.stack([right[0], wrong[1], wrong[2]])
     local = torch.stack([right[0], barely[1], right[2]])
-    weights = choice.chosen_weights(shared, local, y, mask)
+    weights = choice.chosen_weights(shared, local, y, mask, 0.0)
     assert weights.tolist() == [1.0, 0.0, 1.0]
 
 
@@ -41,7 +41,7 @@ def test_a_mix_is_chosen_where_it_is_right_on_more_rows_than_either_model():
     mask = torch.ones(1, 2)
     shared = torch.tensor([[[0.45, 0.55], [0.1, 0.9]]])
     local = torch.tensor([[[0.9, 0.1], [0.55, 0.45]]])
-    (w,) = choice.chosen_weights(shared, local, y, mask).tolist()
+    (w,) = choice.chosen_weights(shared, local, y, mask, 0.0).tolist()
     assert 0.0 < w < 1.0
     mix = torch.softmax(w * shared.log() + (1 - w) * local.log(), -1)  # the log-linear pool
     assert torch.allclose(choice.mixed(torch.tensor([w]), shared, local), mix)

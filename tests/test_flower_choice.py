@@ -75,6 +75,17 @@ def test_a_node_keeps_its_own_model_where_the_shared_body_says_nothing():
         assert torch.allclose(kept(fresh), torch.log(probs), atol=1e-5)
         assert (kept(fresh).argmax(1) == (fresh[:, 2] > 0).long()).float().mean() > 0.9
     assert isinstance(kept, Kept) and kept.classes == 2
+    # the rule's strictness is fedpriv's choice-std-errors: 0 keeps the least loss; a huge one
+    # keeps the shared model unless the local model wins on every row by the same margin
+    assert keep_best(_zeroed_body(), _context(), (x, y), std_errors=0.0).weight == 0.0
+    assert keep_best(_zeroed_body(), _context(), (x, y), std_errors=1e6).weight == 1.0
+
+
+def _zeroed_body() -> torch.nn.Sequential:
+    model = _xor_body()
+    with torch.no_grad():
+        model[0].weight.zero_()
+    return model
 
 
 def test_each_row_is_scored_by_heads_that_never_saw_it():
@@ -96,6 +107,8 @@ def test_too_few_folds_and_a_train_handler_are_refused():
     x, y = _xor_rows(10, 0)
     with pytest.raises(ValueError, match="folds >= 2"):
         keep_best(_xor_body(), _context(), (x, y), folds=1)
+    with pytest.raises(ValueError, match="std_errors"):
+        keep_best(_xor_body(), _context(), (x, y), std_errors=-0.5)
     train = _context()
     train.state[STATE_KEY]["kind"] = "train"
     with pytest.raises(ValueError, match="evaluate handler"):

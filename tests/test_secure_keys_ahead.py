@@ -6,17 +6,16 @@ In process, instrumented as tests/test_secure_aggregation.py is (tests/secure_he
 from __future__ import annotations
 
 import pytest
-
-from fedpriv.faults import failing_partitions
-from fedpriv.secagg import node as N
 from secure_helpers import (
     assert_nothing_in_plain,
     fix_node_noise,
     instrument,
-    ledger_of,
     make_config,
     quiet,
 )
+
+from fedpriv.faults import failing_partitions
+from fedpriv.secagg import node as N
 
 
 def _stages(record, label):
@@ -37,7 +36,7 @@ def test_the_first_secure_round_takes_four_exchanges_and_the_next_three(monkeypa
                    for m in setup.messages.values())
         assert all(set(r) == {"dst", "ciphertexts", "seed-digest"}
                    for r in setup.replies.values())
-    for previous, (round_id, step, outcome) in zip(record.outcomes, record.outcomes[1:],
+    for previous, (round_id, _step, _outcome) in zip(record.outcomes, record.outcomes[1:],
                                                    strict=False):
         # the id of a round was fixed in the last round's unmask request, before the keys
         unmask = record.stage(previous[1].label, "unmask")
@@ -60,8 +59,8 @@ def test_keys_ahead_release_what_full_setups_release(monkeypatch):
         if mode == "full":
             real = S.SecureOutcome.__init__
 
-            def forget(self, *args, **kwargs):
-                real(self, *args, **kwargs)
+            def forget(self, *args, _real=real, **kwargs):
+                _real(self, *args, **kwargs)
                 self.ahead = None
 
             monkeypatch.setattr(S.SecureOutcome, "__init__", forget)

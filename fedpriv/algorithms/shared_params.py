@@ -50,11 +50,17 @@ MIX_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)
 FINAL_CHOICE = Param(
     "final-choice", str, "best", "each user's final model: `best` = of its local model "
     "(trained on its own rows alone), the method's personal model and mixes of the two, the "
-    "one of least loss on its own training rows by cross-validation (a post-processing on the "
-    "user's node: no privacy cost, the release does not change; docs: never worse than "
-    "training alone); `off` = the method's personal model for every user",
+    "one its own training rows favour by cross-validation (a post-processing on the user's "
+    "node: no privacy cost, the release does not change; docs: never worse than training "
+    "alone); `off` = the method's personal model for every user",
     *one_of(("best", "off")))
 CHOICE_FOLDS = Param(
     "choice-folds", int, 5, "final-choice = best: k of the k-fold cross-validation on each "
     "user's training rows (row j in fold j mod k; k + 1 fits of each model)",
     lambda k: k >= 2, "an integer >= 2")
+CHOICE_STD_ERRORS = Param(
+    "choice-std-errors", float, 0.5, "final-choice = best (deep family): a user keeps the "
+    "largest weight of the shared model whose cross-validated loss is within this many "
+    "standard errors of the least one (paired over its rows; 0 = the least loss itself; "
+    "above 0, a user with one row keeps the shared model)",
+    lambda z: 0 <= z < float("inf"), "a finite number >= 0")

@@ -14,11 +14,13 @@ of the probabilities, whose hedging cross-entropy rewards without more rows righ
 The choice is made on the user's **own training rows** by k-fold cross-validation
 (``choice-folds``): row j of a user is in fold j mod k; both models are refitted on the other
 folds and score the held-back fold, so each training row is scored once by fits that never saw
-it, and the user picks the weight whose mix has the least cross-entropy on its rows (a
-tiny validation set says more through the probabilities than through a count of rows right).
-Test rows are never read. A tie goes to the larger weight (the model with more data behind
-it). Then both models are fitted on all the user's training rows (the models a run
-without the choice uses) and mixed with the chosen weight.
+it, and the user keeps the largest weight whose mix's cross-entropy on its rows is within
+``choice-std-errors`` standard errors of the least (the one-standard-error rule per user,
+``head_fit.mix_weights``: the model with more data behind it is left only where the user's
+rows say so beyond their noise; a tiny validation set also says more through the
+probabilities than through a count of rows right). Test rows are never read. Then both
+models are fitted on all the user's training rows (the models a run without the choice uses)
+and mixed with the chosen weight.
 
 The released body or model enters each user's choice only through what the user computes with
 it on its own rows: the choice is a post-processing on the node and costs no privacy. The
@@ -107,10 +109,11 @@ def local_predictions(config: DeepConfig, problem: DeepProblem, train: UserBlock
 
 
 def chosen_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
-    """Each user's weight of the shared model among ``MIX_WEIGHTS``: the mix of least
-    cross-validated cross-entropy (``head_fit.mix_weights``). (n,)"""
-    return mix_weights(shared, local, y, mask, MIX_WEIGHTS)
+                   mask: torch.Tensor, std_errors: float) -> torch.Tensor:
+    """Each user's weight of the shared model among ``MIX_WEIGHTS``: the largest whose
+    cross-validated cross-entropy is within ``std_errors`` standard errors of the least
+    (``head_fit.mix_weights``). (n,)"""
+    return mix_weights(shared, local, y, mask, MIX_WEIGHTS, std_errors)
 
 
 def mixed(weight: torch.Tensor, shared: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -134,7 +137,8 @@ def choice_scores(config: DeepConfig, problem: DeepProblem, model: torch.Tensor,
     train, scored = user_block(problem, ids, "train"), user_block(problem, ids, split)
     shared_cv, shared = shared_predictions(config, problem, model, train, scored, head_from)
     local_cv, local = local_predictions(config, problem, train, scored)
-    weight = chosen_weights(shared_cv, local_cv, train.y, train.mask)
+    weight = chosen_weights(shared_cv, local_cv, train.y, train.mask,
+                            config.choice_std_errors)
     acc, loss = _scores(mixed(weight, shared, local), scored)
     local_acc, local_loss = _scores(local, scored)
     return {"acc": acc, "loss": loss, "shared": _scores(shared, scored)[0],

@@ -155,11 +155,15 @@ def pooled(weight: torch.Tensor | float, shared: torch.Tensor, local: torch.Tens
 
 
 def mix_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                weights: tuple[float, ...]) -> torch.Tensor:
-    """Each user's weight of the shared model: the entry of ``weights`` whose ``pooled`` mix of
-    the cross-validated class probabilities (n, r, C) has the least cross-entropy summed over
-    its valid rows, the first (the larger weight) among ties; the first for a user without
-    rows. (n,)
+                weights: tuple[float, ...], std_errors: float = 0.0) -> torch.Tensor:
+    """Each user's weight of the shared model (``weights`` from the shared model's side, largest
+    first): the entry whose ``pooled`` mix of the cross-validated class probabilities (n, r, C)
+    has the least cross-entropy summed over its valid rows (the first among ties; the first for
+    a user without rows), or with ``std_errors`` = z > 0 the first (larger) weight whose
+    per-row cross-entropy exceeds that best one's by at most z standard errors of the mean
+    paired difference over the user's valid rows (the one-standard-error rule of
+    cross-validation, per user: leave the model with more data behind it only where the
+    user's own rows say so beyond their noise; a user with one row keeps the first). (n,)
 
     Cross-entropy, not the count of rows right: on 10 rows a count ties or flips on one row,
     while the probabilities say how sure each model was (on seed 100 of Fashion-MNIST at
@@ -167,14 +171,29 @@ def mix_weights(shared: torch.Tensor, local: torch.Tensor, y: torch.Tensor, mask
     the mix of probabilities: cross-entropy favours a mix of probabilities for its hedging (at
     2 classes a user it kept mixes for 48% of the users, below their own linear models; docs:
     results)."""
-    def loss(w: float) -> torch.Tensor:
-        p = pooled(w, shared, local).gather(-1, y[..., None])[..., 0]
-        return -(torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask).sum(1)
+    if not 0 <= std_errors < float("inf"):
+        raise ValueError(f"mix_weights: std_errors is a finite number >= 0, got {std_errors}")
 
-    losses = torch.stack([loss(w) for w in weights], 1)  # (n, weights)
-    losses = torch.nan_to_num(losses, nan=float("inf"))  # a non-finite option is never chosen
+    def loss(w: float) -> torch.Tensor:  # per row (n, r), 0 on masked rows
+        p = pooled(w, shared, local).gather(-1, y[..., None])[..., 0]
+        return -torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask
+
+    rows = torch.stack([loss(w) for w in weights], 1)  # (n, weights, r)
+    totals = torch.nan_to_num(rows.sum(2), nan=float("inf"))  # a nan option is never chosen
+    best = totals.argmin(1)  # argmin: the first of equal losses
     table = torch.tensor(weights, dtype=shared.dtype, device=shared.device)
-    return table[losses.argmin(1)]  # argmin: the first of equal losses
+    if std_errors == 0:
+        return table[best]
+    valid = (mask > 0)[:, None, :]  # the rows (mask 0 or 1)
+    count = valid.sum(2).to(rows.dtype)  # (n, 1)
+    diff = torch.where(valid, rows - rows.gather(1, best[:, None, None].expand_as(rows[:, :1])),
+                       0.0)  # paired per-row differences to the best weight (n, weights, r)
+    mean = diff.sum(2) / count.clamp_min(1)
+    var = torch.where(valid, (diff - mean[..., None]) ** 2, 0.0).sum(2) / (count - 1).clamp_min(1)
+    stderr = torch.where(count > 1, (var / count.clamp_min(1)).sqrt(), float("inf"))
+    near = (mean <= std_errors * stderr) & totals.isfinite()
+    near |= torch.arange(len(weights), device=shared.device) == best[:, None]  # the best itself
+    return table[near.to(torch.int8).argmax(1)]  # argmax: the first such weight (the largest)
 
 
 def head_logits(feats: torch.Tensor, heads: torch.Tensor, num_classes: int,

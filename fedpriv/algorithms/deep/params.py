@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from fedpriv.algorithms.shared_params import (
     CHOICE_FOLDS,
+    CHOICE_STD_ERRORS,
     CLIP_NORM,
     CLIPPING,
     FINAL_CHOICE,
@@ -248,6 +249,7 @@ class ChoiceKeys(RunConfig):
     component: ClassVar[str] = "deep final choice"
     final_choice: str = key(FINAL_CHOICE)
     choice_folds: int = key(CHOICE_FOLDS)
+    choice_std_errors: float = key(CHOICE_STD_ERRORS)
 
 
 # ----- what each algorithm reads ---------------------------------------------------------------
