@@ -155,3 +155,24 @@ def test_the_meta_pages_example_runs():
     exec(compile(block, "meta.md", "exec"), scope)
     tasks = scope["tasks"]
     assert scope["x"].shape == (1000, 25, 1, 8, 8) and tasks.classes.shape == (1000, 5)
+
+
+@pytest.mark.skipif(not Path(FASHION_MNIST_DIR).is_dir(),
+                    reason="apt-get install dataset-fashion-mnist")
+def test_the_meta_learning_probe_runs_small():
+    """benchmarks/probe_fewshot_meta.py (issue 50's feasibility probe) at a tiny size: its noise
+    is fedpriv's calibration, and it prints an accuracy a round."""
+    import re
+    import subprocess
+    import sys
+
+    from fedpriv.privacy.accounting import PlannedRelease, calibrate_gaussian_plan
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/probe_fewshot_meta.py", "--tasks", "200",
+                           "--rounds", "2", "--rate", "0.2", "--eval-tasks", "40"], cwd=root,
+                          capture_output=True, text=True, timeout=300, check=True)
+    z = calibrate_gaussian_plan([PlannedRelease("meta-gradient", 1.0, 2, 0.2)], 1.0, 1e-5)[0]
+    assert f"z {z:.3f}" in done.stdout
+    accuracies = [float(v) for v in re.findall(r"accuracy (\d\.\d+)", done.stdout)]
+    assert len(accuracies) == 2 and all(0.2 < v <= 1.0 for v in accuracies)
