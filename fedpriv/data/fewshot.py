@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpriv.data.sources import DatasetError, Source
-from fedpriv.randomness import uniforms_at
+from fedpriv.randomness import uniforms_at, user_permutations
 
 OMNIGLOT_PARTS = ("images_background", "images_evaluation")  # meta-train, meta-test
 _CLASS_PURPOSE = 0xFE5C  # the task's classes and their order
@@ -76,10 +76,6 @@ class Tasks:
     support: np.ndarray
     query: np.ndarray
 
-    @property
-    def ways(self) -> int:
-        return int(self.classes.shape[1])
-
     def labels(self, part: str) -> np.ndarray:
         """Labels (T, N * per-class) of ``support`` or ``query`` flattened row-major."""
         rows = self.support if part == "support" else self.query
@@ -117,10 +113,8 @@ def draw_tasks(pool: FewShotPool, part: str, task_ids: np.ndarray, ways: int, sh
                            f"{len(by_class[int(np.searchsorted(classes, small[0]))])} "
                            f"({len(small)} such classes)")
     stream = 0 if part == "train" else 1
-    # the classes: the first `ways` of a seeded permutation of the part's classes
-    order = np.argsort(uniforms_at(seed, _CLASS_PURPOSE, stream, ids[:, None],
-                                   np.arange(len(classes))[None, :]), axis=1, kind="stable")
-    chosen = order[:, :ways]  # (T, N) positions in `classes`
+    # the classes (T, N), as positions in `classes`: the first `ways` of a seeded permutation
+    chosen = user_permutations(seed, _CLASS_PURPOSE, stream, ids, len(classes))[:, :ways]
     picked = np.empty((len(ids), ways, per_class), dtype=np.int64)
     for j in range(ways):  # label j: its class's rows, distinct within the task
         for k in np.unique(chosen[:, j]):
@@ -146,8 +140,7 @@ def _distinct_places(seed: int, stream: int, ids: np.ndarray, cls: int, size: in
     moves on only where it repeats, so other tasks are untouched)."""
     key = ids * np.int64(1 << 20) + cls  # (task, class): a task never reuses a class's stream
     if size <= _SMALL_POOL:
-        u = uniforms_at(seed, _ROW_PURPOSE, stream, key[:, None], np.arange(size)[None, :])
-        return np.argsort(u, axis=1, kind="stable")[:, :count]
+        return user_permutations(seed, _ROW_PURPOSE, stream, key, size)[:, :count]
     place = np.arange(count)[None, :]
     drawn: np.ndarray = np.floor(uniforms_at(seed, _ROW_PURPOSE, stream, key[:, None], place)
                                  * size).astype(np.int64)
