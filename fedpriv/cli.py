@@ -225,7 +225,7 @@ def cmd_neighbours(args: argparse.Namespace) -> int:
         checks = []
         for i, neighbour in enumerate(neighbours, 1):
             found = check_neighbour(base, neighbour, args.nodes, args.releases,
-                                    "float32" if config.algorithm.startswith("deep-")
+                                    "float32" if config.algorithm.startswith(("deep-", "fewshot-"))
                                     else "float64", ("own", "copy") if args.copy else ("own",))
             checks += found
             worst = max((c.ratio for c in found), default=0.0)

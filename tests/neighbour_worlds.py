@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import torch
 
 from fedpriv.algorithms.deep import problem as deep_problem
 from fedpriv.algorithms.exp_mech import jl_exp
@@ -113,6 +114,26 @@ def builtin_rows(config: RunConfig, user: int,
         return load
 
     return lambda: _patched(deep_problem, "load_source", loader)
+
+
+def fewshot_task(user: int, features: Change) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context in which few-shot task ``user`` (its meta-training task and its fresh
+    meta-test task: the whole task is the user's) holds changed pixels, whatever they were."""
+    from fedpriv.algorithms.fewshot import algorithms as fewshot
+
+    def blocks(original):
+        def block(config, problem, part, task_ids):
+            out = original(config, problem, part, task_ids)
+            mine = np.flatnonzero(np.asarray(task_ids) == user)
+            if not len(mine):
+                return out
+            x = out.x.clone()
+            with np.errstate(all="ignore"):
+                x[mine] = torch.from_numpy(features(x[mine].double().numpy())).to(x.dtype)
+            return dataclasses.replace(out, x=x)
+        return block
+
+    return lambda: _patched(fewshot, "task_block", blocks)
 
 
 def neighbour(name: str, config: RunConfig, context) -> Neighbour:

@@ -25,6 +25,9 @@ def tiny(name):
         family["feature-dist"] = "unit-ball"
     if name.startswith("deep"):  # real data: digits holds 1,437 training images
         family.update({"num-users": 60, "users-per-node": 30, "hidden-sizes": "16"})
+    if name.startswith("fewshot"):  # few-shot tasks of digits' images
+        family.update({"num-users": 60, "users-per-node": 30, "hidden-sizes": "16",
+                       "queries": 3, "tasks-per-round": 20})
     return parse_config(select_keys({**TINY, **family, "algorithm": name}))
 
 

@@ -157,22 +157,24 @@ def test_the_meta_pages_example_runs():
     assert scope["x"].shape == (1000, 25, 1, 8, 8) and tasks.classes.shape == (1000, 5)
 
 
-@pytest.mark.skipif(not Path(FASHION_MNIST_DIR).is_dir(),
-                    reason="apt-get install dataset-fashion-mnist")
-def test_the_meta_learning_probe_runs_small():
-    """benchmarks/probe_fewshot_meta.py (issue 50's feasibility probe) at a tiny size: its noise
-    is fedpriv's calibration, and it prints an accuracy a round."""
-    import re
-    import subprocess
-    import sys
+def test_the_validation_split_holds_out_images_or_whole_classes(omniglot):
+    """``validation_pool``: a fixed public split of the meta-training part; validation tasks
+    share no image with training tasks. A built-in dataset (the same classes at meta-test):
+    a sixth of each class's training images; Omniglot (new classes at meta-test): a sixth of
+    the background characters, whole."""
+    from fedpriv.data.fewshot import validation_pool
 
-    from fedpriv.privacy.accounting import PlannedRelease, calibrate_gaussian_plan
-
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "benchmarks/probe_fewshot_meta.py", "--tasks", "200",
-                           "--rounds", "2", "--rate", "0.2", "--eval-tasks", "40"], cwd=root,
-                          capture_output=True, text=True, timeout=300, check=True)
-    z = calibrate_gaussian_plan([PlannedRelease("meta-gradient", 1.0, 2, 0.2)], 1.0, 1e-5)[0]
-    assert f"z {z:.3f}" in done.stdout
-    accuracies = [float(v) for v in re.findall(r"accuracy (\d\.\d+)", done.stdout)]
-    assert len(accuracies) == 2 and all(0.2 < v <= 1.0 for v in accuracies)
+    pool = _pool(classes=6, per_class=60)
+    split = validation_pool(pool)
+    assert not set(split.train_rows) & set(split.test_rows)
+    assert sorted([*split.train_rows, *split.test_rows]) == sorted(pool.train_rows)
+    assert split.classes("test").tolist() == pool.classes("train").tolist()
+    for c in range(6):
+        assert np.sum(pool.y[split.test_rows] == c) == 10  # a sixth of 60
+    again = validation_pool(pool)  # fixed: the same split every time
+    assert np.array_equal(again.test_rows, split.test_rows)
+    chars = validation_pool(omniglot_pool(omniglot))
+    held, kept = chars.classes("test"), chars.classes("train")
+    assert len(held) == 1 and not set(held) & set(kept) and set(held) <= set(range(6))
+    tasks = draw_tasks(split, "test", np.arange(20), 3, 2, 3, seed=0)
+    assert set(tasks.support.ravel()) | set(tasks.query.ravel()) <= set(split.test_rows)

@@ -69,7 +69,7 @@ def test_the_stand_ins_declare_what_the_deep_algorithms_declare():
         assert stand_in.declared_params() == real.declared_params()
         assert dict(stand_in.defaults) == dict(real.defaults)
         assert stand_in.components == real.components
-    assert len(stand_ins()) == sum(n.startswith("deep-") for n in _names())
+    assert len(stand_ins()) == sum(n.startswith(("deep-", "fewshot-")) for n in _names())
 
 
 def _names() -> list[str]:

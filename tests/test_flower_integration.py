@@ -214,6 +214,29 @@ def test_a_deep_run_through_flower_matches_the_in_process_run(tmp_path, shared_f
     assert (tmp_path / "results.curve.png").is_file()  # drawn by the ServerApp
 
 
+def test_fewshot_meta_learning_through_flower_gives_the_in_process_release(tmp_path,
+                                                                          shared_flower_env):
+    """Task-level private meta-learning of a network (few-shot tasks of digits' images, q = 2
+    networks): the meta-gradients computed by the ClientApps, the clipped aggregation, noise
+    and accounting by the ServerApp; the same release, metrics and epsilon as in-process."""
+    from fedpriv.configure import parse_config
+    from fedpriv.engine import run_in_process
+
+    settings = dict(algorithm="fewshot-private-meta-cluster", meta_models=2, num_users=60,
+                    hidden_sizes="16", queries=3, rounds=2, tasks_per_round=30, epsilon=4.0,
+                    delta=1e-5, users_per_node=20)
+    results, _ = run_cli(shared_flower_env, tmp_path, **settings)
+    assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    local = run_in_process(parse_config(
+        {k.replace("_", "-"): v for k, v in settings.items()}), num_partitions=3,
+        log=lambda _: None)
+    assert np.allclose(results["server_state"]["meta_models"],
+                       local["server_state"]["meta_models"], atol=1e-6)
+    for key in ("transfer_accuracy", "local_accuracy", "model_0_share"):
+        assert results["metrics"][key] == pytest.approx(local["metrics"][key], abs=1e-9), key
+    assert results["privacy"]["ledger"] == local["privacy"]["ledger"]
+
+
 def test_distributed_noise_shares_travel_through_flower(tmp_path, shared_flower_env):
     """aggregation = distributed through the real runtime: the share parameters reach the
     nodes in the broadcast, their int64 vectors mod 2^b come back, the server decodes the sum,

@@ -28,7 +28,7 @@ from fedpriv.neighbours import Neighbour, check_neighbour, check_neighbours, tab
 from fedpriv.server import PrivateServer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from neighbour_worlds import builtin_rows, neighbour, synthetic  # noqa: E402
+from neighbour_worlds import builtin_rows, fewshot_task, neighbour, synthetic  # noqa: E402
 from test_reliability import PRIVATE, make_config  # noqa: E402
 
 
@@ -239,7 +239,8 @@ def test_the_harness_covers_every_registered_private_algorithm_that_releases():
     (a plug-in's own algorithm is its author's to test: ``fedpriv audit --neighbours``)."""
     from fedpriv.registry import available, get_algorithm
 
-    covered = set(SYNTHETIC) | {"deep-private-fedrep", "deep-dp-fedavg", "deep-dp-fedavg-ft"}
+    covered = (set(SYNTHETIC) | {"deep-private-fedrep", "deep-dp-fedavg", "deep-dp-fedavg-ft"}
+               | set(FEWSHOT))
     for name in available():
         cls = get_algorithm(name)
         if cls.private and name not in covered and cls.__module__.startswith("fedpriv."):
@@ -313,6 +314,47 @@ def test_deep_algorithms_on_digits_hold_their_bound(algorithm, change):
     checks = check_neighbour(config, neighbour(name, config, builtin_rows(config, 11, fn)),
                              num_partitions=3, dtype="float32")
     assert_within(checks)
+
+
+FEWSHOT = ["fewshot-meta-nsgd", "fewshot-private-meta-cluster", "fewshot-dp-ftmrl"]
+FEWSHOT_KEYS = {"num-users": 40, "hidden-sizes": "16", "queries": 3, "rounds": 2,
+                "tasks-per-round": 40, "epsilon": 4.0, "delta": 1e-5, "clip-norm": 0.5}
+
+
+@pytest.mark.parametrize("algorithm, keys", [
+    ("fewshot-meta-nsgd", {}),
+    ("fewshot-meta-nsgd", {"adapt-steps": 2, "private-metrics": True}),
+    ("fewshot-meta-nsgd", {"meta-gradient": "first-order"}),
+    ("fewshot-private-meta-cluster", {"meta-models": 2}),
+    ("fewshot-dp-ftmrl", {}),
+    ("fewshot-meta-nsgd", {"model": "cnn", "eval-tasks": "validation"}),  # conv ghost path
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{a}={b}" for a, b in v.items()))
+@pytest.mark.parametrize("change", [HUGE, NAN, ZERO], ids=lambda c: c[1])
+def test_fewshot_meta_learning_holds_its_bound_whatever_one_tasks_data(algorithm, keys, change):
+    """Task-level DP: one task's whole data (its meta-training task and its fresh meta-test
+    task) replaced by huge, non-finite or zero pixels moves each release, the private
+    evaluation's included, at most the stated sensitivity (a replaced task: twice the
+    add/remove bound), and nothing else the server sees differs."""
+    if algorithm == "fewshot-dp-ftmrl":
+        keys = {**keys, "tasks-per-round": 0}
+    config = parse_config({**FEWSHOT_KEYS, **keys, "algorithm": algorithm})
+    fn, name = change
+    checks = check_neighbour(config, neighbour(f"task 7: {name}", config, fewshot_task(7, fn)),
+                             num_partitions=3, dtype="float32")
+    assert_within(checks, at_least=2)
+
+
+def test_fewshot_per_task_gradients_hold_the_bound(monkeypatch):
+    """The torch.func path (a body ghost clipping cannot take) on the harness too."""
+    from fedpriv.algorithms.fewshot import fewshot_math
+
+    monkeypatch.setattr(fewshot_math, "ghost_gradient_sum", lambda *a, **k: None)
+    config = parse_config({**FEWSHOT_KEYS, "algorithm": "fewshot-meta-nsgd", "adapt-steps": 1})
+    for fn, name in (HUGE, NAN):
+        checks = check_neighbour(config, neighbour(f"task 7: {name}", config,
+                                                   fewshot_task(7, fn)),
+                                 num_partitions=3, dtype="float32")
+        assert_within(checks, at_least=2)
 
 
 @pytest.mark.parametrize("keys", [

@@ -26,6 +26,9 @@ def tiny_config(name, **extra):
         family["feature-dist"] = "unit-ball"
     if name.startswith("deep"):  # real data: digits holds 1,437 training images
         family.update({"num-users": 60, "hidden-sizes": "16"})
+    if name.startswith("fewshot"):  # few-shot tasks of digits' images
+        family.update({"num-users": 60, "hidden-sizes": "16", "queries": 3,
+                       "tasks-per-round": 20})
     values = select_keys({**TINY, **family, "algorithm": name})
     return parse_config({**values, **{k.replace("_", "-"): v
                                                 for k, v in extra.items()}}, strict=True)

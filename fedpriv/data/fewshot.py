@@ -40,6 +40,8 @@ _CLASS_PURPOSE = 0xFE5C  # the task's classes and their order
 _ROW_PURPOSE = 0xFE5E  # the task's rows of each class
 _SMALL_POOL = 256  # classes with at most this many rows: a full seeded permutation
 _MAX_REDRAWS = 64
+VALIDATION_SHARE = 1 / 6  # of the meta-training images (or classes) held out for validation
+_VALIDATION_SPLIT = 0xFE5A  # a fixed, public split (no run seed): the same for every run
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,6 +165,29 @@ def _repeats(drawn: np.ndarray) -> np.ndarray:
     later[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
     np.put_along_axis(dup, order, later, 1)
     return dup
+
+
+def validation_pool(pool: FewShotPool, share: float = VALIDATION_SHARE) -> FewShotPool:
+    """The pool for choosing settings: its meta-training part split in two, a fixed public
+    split. The returned pool's "train" part is what is left for meta-training, its "test"
+    part the held-out **validation** part, so that validation tasks share no image with the
+    training tasks. Where meta-test classes are disjoint from meta-training ones (Omniglot),
+    ``share`` of the training classes are held out (new classes, as at meta-test); else (a
+    built-in dataset's same classes) ``share`` of each class's training images."""
+    rng = np.random.default_rng(_VALIDATION_SPLIT)
+    rows = pool.train_rows
+    classes = pool.classes("train")
+    labels = pool.y[rows]
+    if not np.intersect1d(classes, pool.classes("test")).size:
+        held_classes = rng.permutation(classes)[:max(1, round(share * len(classes)))]
+        held = np.isin(labels, held_classes)
+    else:
+        held = np.zeros(len(rows), dtype=bool)
+        for c in classes:
+            mine = np.flatnonzero(labels == c)
+            held[rng.permutation(mine)[:round(share * len(mine))]] = True
+    return FewShotPool(f"{pool.name} (validation split)", pool.x, pool.y, rows[~held],
+                       rows[held], pool.class_names)
 
 
 def source_pool(source: Source) -> FewShotPool:

@@ -36,6 +36,11 @@ SPECIAL = {  # algorithms whose small run needs more than the family's settings
     "altmin": {"rounds": 2, "user-groups": 2},
     **{name: {"dim": 6, "rank": 1, "samples-per-user": 4, "jl-dim": 4, "cover-radius": 0.6}
        for name in ("jl-exp", "jl-exp-nonprivate")},
+    **{name: {"hidden-sizes": "16", "queries": 3}  # few-shot tasks of digits' images
+       for name in ("fewshot-meta-nsgd", "fewshot-meta-sgd", "fewshot-private-meta-cluster",
+                    "fewshot-meta-cluster", "fewshot-dp-ftmrl", "fewshot-ftmrl",
+                    "fewshot-local")},
+    "fewshot-private-meta-cluster": {"hidden-sizes": "16", "queries": 3, "meta-models": 2},
 }
 
 
@@ -47,6 +52,8 @@ EXTRA = {  # paths the defaults do not take
     "deep-dp-fedavg-ft+sampled": {"algorithm": "deep-dp-fedavg-ft", "users-per-round": 30,
                                   "eval-every": 1},
     "meta-nsgd+replace-one": {"algorithm": "meta-nsgd", "neighbouring-relation": "replace-one"},
+    "fewshot-meta-nsgd+protomaml": {"algorithm": "fewshot-meta-nsgd", "adapt-steps": 2,
+                                    "meta-gradient": "first-order"},
 }
 
 

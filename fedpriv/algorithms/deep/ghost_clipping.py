@@ -146,27 +146,44 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
     layers other than ``nn.Linear`` and plain ``nn.Conv2d`` (or one called more than once per
     forward pass, or a linear layer on inputs that are not flat rows). Arguments as
     ``local_updates``."""
-    body_only = heads is not None
+    n, r = y.shape
+    rows = x.reshape(n * r, *spec.input_shape)
+
+    def users_loss(leaf: torch.Tensor) -> torch.Tensor:
+        if heads is not None:
+            feats = dm.features(spec, leaf, rows).reshape(n, r, -1)
+            logits = dm.head_logits(feats, heads, spec.num_classes, spec.head_bias)
+        else:
+            logits = functional_call(spec.module, spec.unflatten(leaf), (rows,))
+            logits = logits.reshape(n, r, -1)
+        ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+        return ((ce * mask).sum(1) / mask.sum(1).clamp_min(1.0)).sum()
+
+    return ghost_gradient_sum(spec, start, users_loss, n, r, heads is not None, lr, clip)
+
+
+def ghost_gradient_sum(spec: ModelSpec, start: torch.Tensor,
+                       users_loss: Callable[[torch.Tensor], torch.Tensor], n: int, r: int,
+                       body_only: bool, lr: float, clip: float) -> tuple[np.ndarray, int] | None:
+    """The sum over n users of ``-lr * f_i * grad L_i`` at ``start`` (the body's parameters
+    with ``body_only``, else the whole model's), ``f_i = min(1, clip / ||lr grad L_i||)``,
+    without per-user gradients (module docstring), and how many were scaled down; None where
+    the model's trained layers do not allow it. ``users_loss(leaf)`` is the sum of the users'
+    losses, computed with one pass of the model over the users' rows stacked user by user, r
+    each (user i's rows ``i r .. i r + r - 1``), where user i's loss depends on its own rows'
+    outputs alone (any function of them: a mean cross-entropy, a few-shot task's adapted
+    query loss)."""
     owners = ghost_layers(spec, body_only)
     if owners is None:
         return None
-    n, r = y.shape
     modules = {o: spec.module.get_submodule(o) for o in owners}
     seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {o: [] for o in owners}
     handles = [modules[o].register_forward_hook(
         lambda _m, inputs, out, o=o: seen[o].append((inputs[0], out))) for o in owners]
-    rows = x.reshape(n * r, *spec.input_shape)
     try:
         with torch.enable_grad():
             leaf = start.detach().clone().requires_grad_(True)
-            if heads is not None:
-                feats = dm.features(spec, leaf, rows).reshape(n, r, -1)
-                logits = dm.head_logits(feats, heads, spec.num_classes, spec.head_bias)
-            else:
-                logits = functional_call(spec.module, spec.unflatten(leaf), (rows,))
-                logits = logits.reshape(n, r, -1)
-            ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
-            loss = ((ce * mask).sum(1) / mask.sum(1).clamp_min(1.0)).sum()
+            loss = users_loss(leaf)
             if any(len(seen[o]) != 1 or seen[o][0][0].dim() != (
                     4 if isinstance(modules[o], nn.Conv2d) else 2) for o in owners):
                 return None
@@ -177,7 +194,8 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
     finally:
         for handle in handles:
             handle.remove()
-    sq = torch.zeros(n, dtype=torch.float64, device=x.device)
+    device = start.device
+    sq = torch.zeros(n, dtype=torch.float64, device=device)
     slack = torch.zeros_like(sq)
     layers: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     formed: list[tuple[str, nn.Conv2d, torch.Tensor]] = []  # conv layers: per-user gradients
@@ -199,9 +217,9 @@ def ghost_clipped_sum(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor 
         layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
     norms = lr * bounded_norms(sq, slack)
     factors = factors_from_norms(norms.cpu().numpy(), clip)  # 0: a non-finite norm (isolated)
-    user_weights = torch.from_numpy(-lr * factors).to(x.device)
+    user_weights = torch.from_numpy(-lr * factors).to(device)
     weights = user_weights.repeat_interleave(r)[:, None]
-    dropped = torch.from_numpy(factors == 0).to(x.device)
+    dropped = torch.from_numpy(factors == 0).to(device)
     if bool(dropped.any()):  # a dropped user's rows become zeros: 0 * nan would poison the sum
         rows_dropped = dropped.repeat_interleave(r)[:, None]
         layers = [(o, a64.masked_fill(rows_dropped, 0.0), g64.masked_fill(rows_dropped, 0.0))

@@ -59,12 +59,32 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Flatten(), nn.Linear(flat, 128), nn.ReLU(), nn.Linear(128, num_classes))
 
 
+def conv4(input_shape: tuple[int, ...], num_classes: int, channels: int = 64) -> nn.Module:
+    """The four-block network of the few-shot literature (Vinyals et al. 2016; Snell et al.
+    2017): four blocks of a 3x3 convolution (64 channels), ReLU and 2x2 max-pooling, then the
+    linear head on the flattened output (64 features for 28 x 28 inputs). Without the batch
+    normalization of the original: it mixes the rows of a batch (DESIGN: models may not mix
+    users). Needs image inputs (C, H, W) with H, W >= 16."""
+    if len(input_shape) != 3 or min(input_shape[1:]) < 16:
+        raise ConfigError(f"model: conv4 needs image inputs (channels, height >= 16, width >= "
+                          f"16); the data's inputs are {input_shape}")
+    c, h, w = input_shape
+    blocks: list[nn.Module] = []
+    for i in range(4):
+        blocks += [nn.Conv2d(c if i == 0 else channels, channels, 3, padding=1), nn.ReLU(),
+                   nn.MaxPool2d(2)]
+    flat = channels * (h // 16) * (w // 16)
+    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(flat, num_classes))
+
+
 def _factory(model: str, hidden: str) -> Factory:
     if model == "mlp":
         widths = sizes(hidden)
         return lambda shape, classes: mlp(shape, classes, widths)
     if model == "cnn":
         return cnn
+    if model == "conv4":
+        return conv4
     module_name, _, attr = model.partition(":")
     try:
         factory: Factory = getattr(importlib.import_module(module_name), attr)

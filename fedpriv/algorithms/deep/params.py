@@ -137,7 +137,8 @@ class DataKeys(RunConfig):
 class ModelKeys(RunConfig):
     component: ClassVar[str] = "deep model"
     model: str = key(Param(
-        "model", str, "mlp", "`mlp`, `cnn` (two conv layers; image data), or "
+        "model", str, "mlp", "`mlp`, `cnn` (two conv layers; image data), `conv4` (the four "
+        "conv blocks of the few-shot literature; images of 16 x 16 or more), or "
         "`package.module:factory` called as factory(input_shape, num_classes) -> "
         "torch.nn.Module; its last Linear layer is the personal head, the rest the body"))
     hidden_sizes: str = key(Param(
@@ -152,9 +153,9 @@ class ModelKeys(RunConfig):
         "a number > 0"))
 
     def check_keys(self) -> None:
-        if self.model not in ("mlp", "cnn") and ":" not in self.model:
-            raise ConfigError(f"model: {self.model!r} is not `mlp`, `cnn` or an import path "
-                              "`package.module:function`")
+        if self.model not in ("mlp", "cnn", "conv4") and ":" not in self.model:
+            raise ConfigError(f"model: {self.model!r} is not `mlp`, `cnn`, `conv4` or an "
+                              "import path `package.module:function`")
 
 
 @dataclass(frozen=True, kw_only=True)

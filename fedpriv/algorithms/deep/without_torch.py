@@ -20,6 +20,14 @@ from fedpriv.algorithms.deep.params import (
     DeepConfig,
     DeepLocalConfig,
 )
+from fedpriv.algorithms.fewshot.params import (
+    FEWSHOT_DEFAULTS,
+    FewShotClusterConfig,
+    FewShotConfig,
+    FewShotOnePassConfig,
+    FewShotSampledConfig,
+)
+from fedpriv.config import RunConfig
 from fedpriv.params import ConfigError
 
 INSTALL_TORCH = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
@@ -30,7 +38,8 @@ _P = "fedpriv.algorithms.deep."
 _NONE: Mapping[str, Any] = {}
 # name, private, summary, config class, own defaults, implementation: as the real classes
 # declare them
-DEEP: tuple[tuple[str, bool, str, type[DeepLocalConfig], Mapping[str, Any], str], ...] = (
+_F = "fedpriv.algorithms.fewshot.algorithms:"
+DEEP: tuple[tuple[str, bool, str, type[RunConfig], Mapping[str, Any], str], ...] = (
     ("deep-private-fedrep", True,
      "Private FedRep with a torch body and personal linear heads (real data)", DeepConfig,
      PRIVATE_DEFAULTS, _P + "private_fedrep:DeepPrivateFedRep"),
@@ -47,17 +56,38 @@ DEEP: tuple[tuple[str, bool, str, type[DeepLocalConfig], Mapping[str, Any], str]
     ("deep-local-only", False,
      "each user alone: a linear model on raw inputs or its own network (baseline)",
      DeepLocalConfig, _NONE, _P + "local_only:DeepLocalOnly"),
+    # few-shot meta-learning of a network's embedding (fedpriv.algorithms.fewshot)
+    ("fewshot-meta-nsgd", True,
+     "Meta-NSGD on few-shot image tasks: task-level DP meta-learning of a network",
+     FewShotSampledConfig, FEWSHOT_DEFAULTS, _F + "FewShotMetaNSGD"),
+    ("fewshot-meta-sgd", False,
+     "few-shot Meta-NSGD without noise (non-private meta-learning baseline)",
+     FewShotSampledConfig, FEWSHOT_DEFAULTS, _F + "FewShotMetaSGD"),
+    ("fewshot-private-meta-cluster", True,
+     "private clustering-based meta-learning of q networks on few-shot tasks",
+     FewShotClusterConfig, FEWSHOT_DEFAULTS, _F + "FewShotPrivateMetaCluster"),
+    ("fewshot-meta-cluster", False,
+     "clustering-based meta-learning of q networks on few-shot tasks (baseline)",
+     FewShotClusterConfig, FEWSHOT_DEFAULTS, _F + "FewShotMetaCluster"),
+    ("fewshot-dp-ftmrl", True,
+     "DP-FTMRL on few-shot image tasks: one pass, tree-aggregated noise",
+     FewShotOnePassConfig, FEWSHOT_DEFAULTS, _F + "FewShotDPFTMRL"),
+    ("fewshot-ftmrl", False, "FTMRL on few-shot image tasks without noise (one-pass baseline)",
+     FewShotOnePassConfig, FEWSHOT_DEFAULTS, _F + "FewShotFTMRL"),
+    ("fewshot-local", False,
+     "each few-shot task alone: a linear model on its support pixels (baseline)",
+     FewShotConfig, _NONE, _F + "FewShotLocal"),
 )
 
 
-class NeedsTorch(Algorithm[DeepLocalConfig]):
+class NeedsTorch(Algorithm[RunConfig]):
     """A deep algorithm's declaration; its implementation (``module:Class``) needs PyTorch."""
 
     config_type = DeepLocalConfig
     implementation = ""
 
     @classmethod
-    def validate(cls, config: DeepLocalConfig) -> None:
+    def validate(cls, config: RunConfig) -> None:
         raise ConfigError(f"algorithm: {cls.name} needs PyTorch, which is not installed in "
                           f"this environment: {INSTALL_TORCH}")
 
@@ -71,11 +101,11 @@ def stand_ins() -> tuple[type[NeedsTorch], ...]:
                  for name, private, summary, config_type, defaults, where in DEEP)
 
 
-def load(stand_in: type[NeedsTorch]) -> type[Algorithm[DeepLocalConfig]]:
+def load(stand_in: type[NeedsTorch]) -> type[Algorithm[Any]]:
     """The real class the stand-in declares, or the stand-in itself where torch is missing."""
     module, _, attr = stand_in.implementation.partition(":")
     try:
-        cls: type[Algorithm[DeepLocalConfig]] = getattr(importlib.import_module(module), attr)
+        cls: type[Algorithm[Any]] = getattr(importlib.import_module(module), attr)
     except ModuleNotFoundError as err:
         if err.name != "torch":
             raise

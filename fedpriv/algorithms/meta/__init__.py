@@ -45,7 +45,9 @@ exact risk, squared loss), ``transfer_error`` (0-1 error, logistic loss) and ``c
 true cluster chose).
 
 Files: ``meta_math`` (batched math: base learner, meta-gradients, tree nodes), ``problem`` (the
-task distribution and the evaluation), ``meta_algorithm`` (the shared base class); registered
+task distribution and the evaluation), ``schedule`` (the server side of any meta-model: the
+sampled rounds and the one pass, shared with ``fedpriv.algorithms.fewshot``),
+``meta_algorithm`` (the linear family's base class); registered
 algorithms in ``meta_nsgd`` (meta-nsgd, meta-sgd, private-meta-cluster, meta-cluster),
 ``dp_ftmrl`` (dp-ftmrl, ftmrl) and ``references`` (meta-local, meta-oracle); their run-config
 keys in ``params``.

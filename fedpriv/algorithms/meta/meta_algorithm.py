@@ -5,13 +5,13 @@ Moreau envelope), and the final evaluation on fresh tasks."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 
-from fedpriv.algorithms.base import Algorithm, Step, UserContribution
+from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.algorithms.meta.params import MetaConfig, MetaRoundKeys
+from fedpriv.algorithms.meta.params import MetaConfig
 from fedpriv.algorithms.meta.problem import (
     evaluate_fresh,
     evaluation_bounds,
@@ -19,54 +19,31 @@ from fedpriv.algorithms.meta.problem import (
     fresh_task_values,
     meta_problem_of,
 )
+from fedpriv.algorithms.meta.schedule import MetaModels
 from fedpriv.data.meta import generate_tasks
 from fedpriv.privacy.mechanisms import clipped_sum
 
 MC = TypeVar("MC", bound=MetaConfig)
 
 
-class MetaAlgorithm(Algorithm[MC]):
-    """Shared parts: the meta-models, their final evaluation on fresh tasks."""
+class MetaAlgorithm(MetaModels[MC]):
+    """The linear family: its meta-model(s) start at the origin, its tasks' meta-gradients,
+    their final evaluation on fresh tasks."""
 
     feature_families: ClassVar[tuple[str, ...]] = ("unit-ball",)
-    average_iterates: ClassVar[bool] = True
     config_type = MetaConfig
 
     @classmethod
-    def num_models(cls, config: MC) -> int:
-        return 1
-
-    def __init__(self, config: MC) -> None:
-        super().__init__(config)
-        self.models = self.starting_models(config)
-        self.iterate_sum = np.zeros_like(self.models)
-        self.iterates = 0
+    def model_size(cls, config: MC) -> int:
+        return config.dim
 
     @classmethod
     def starting_models(cls, config: MC) -> np.ndarray:
         """The meta-model(s) before the first round, (q, d): one model at the origin."""
         return np.zeros((1, config.dim))
 
-    def output(self) -> np.ndarray:
-        """The released meta-model(s): the average of the iterates, or the last ones."""
-        if self.average_iterates and self.iterates:
-            return self.iterate_sum / self.iterates
-        return self.models
-
-    def broadcast(self, step: Step) -> dict[str, np.ndarray]:
-        return {"models": self.output() if step.is_final else self.models}
-
-    def _record_iterate(self) -> dict[str, float]:
-        self.iterate_sum += self.models
-        self.iterates += 1
-        return {"meta_model_norm": float(np.linalg.norm(self.models, axis=1).max())}
-
     def finalize(self, metric_sums: Mapping[str, float], num_users: int) -> dict[str, float]:
         return final_meta_metrics(self.config, metric_sums, num_users, len(self.models))
-
-    def state(self) -> dict[str, Any]:
-        return {"meta_models": self.output().tolist(), "last_iterates": self.models.tolist(),
-                "iterates_averaged": self.iterates if self.average_iterates else 0}
 
     evaluation_bounds = staticmethod(evaluation_bounds)
 
@@ -93,6 +70,3 @@ class MetaAlgorithm(Algorithm[MC]):
         total, clipped = clipped_sum(grads, step.parts[0].clip_norm)
         return UserContribution({"grads": total}, len(user_ids), clipped)
 
-
-def clip_of(config: MetaRoundKeys) -> float:
-    return config.clip_norm if config.clipping else float("inf")

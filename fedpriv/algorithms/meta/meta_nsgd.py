@@ -10,74 +10,23 @@ Private clustering releases a (q, d) array in which one task changes one row by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TypeVar
 
 import numpy as np
 
-from fedpriv.algorithms.base import Part, Step
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.algorithms.meta.meta_algorithm import MetaAlgorithm, clip_of
+from fedpriv.algorithms.meta.meta_algorithm import MetaAlgorithm
 from fedpriv.algorithms.meta.params import ClusterMetaConfig, SampledMetaConfig
-from fedpriv.algorithms.meta.problem import paper_tasks_per_round
-from fedpriv.params import ConfigError
-from fedpriv.privacy.accounting import PlannedRelease
-from fedpriv.randomness import user_uniforms
+from fedpriv.algorithms.meta.schedule import SampledRounds
 
-_SAMPLING_PURPOSE = 0x5A3
 _CLUSTER_INIT_STREAM = 0xC1A
 SC = TypeVar("SC", bound=SampledMetaConfig)
 
 
-class _SampledMeta(MetaAlgorithm[SC]):
-    """Algorithms 1 and 2: T rounds over Poisson samples of the tasks."""
+class _SampledMeta(SampledRounds[SC], MetaAlgorithm[SC]):
+    """Algorithms 1 and 2 on the linear tasks."""
 
     config_type = SampledMetaConfig
-
-    @classmethod
-    def tasks_per_round(cls, config: SC) -> int:
-        return config.tasks_per_round or paper_tasks_per_round(config)
-
-    @classmethod
-    def sampling_rate(cls, config: SC) -> float:
-        return cls.tasks_per_round(config) / config.num_users
-
-    @classmethod
-    def validate(cls, config: SC) -> None:
-        super().validate(config)
-        if config.tasks_per_round > config.num_users:
-            raise ConfigError(f"tasks-per-round: {config.tasks_per_round} exceeds num-users "
-                              f"({config.num_users}), the number of tasks")
-
-    def privacy_plan(self) -> list[PlannedRelease]:
-        if not self.private:
-            return []
-        rate = self.sampling_rate(self.config)
-        return [PlannedRelease("round", 1.0 / self.config.rounds, self.config.rounds, rate)]
-
-    def steps(self) -> list[Step]:
-        c = self.config
-        part = Part("grads", (self.num_models(c), c.dim), clip_of(c))
-        release = "round" if self.private else None
-        m = self.tasks_per_round(c)
-        return [*(Step("round", t, release, (part,), population=m)
-                  for t in range(1, c.rounds + 1)), Step("final")]
-
-    def charge(self, step: Step) -> tuple[list[int] | None, float]:
-        return None, self.sampling_rate(self.config)
-
-    @classmethod
-    def participants(cls, config: SC, step: Step, user_ids: np.ndarray) -> np.ndarray:
-        if step.is_final:
-            return user_ids  # every fresh task is evaluated
-        u = user_uniforms(config.seed, _SAMPLING_PURPOSE, step.index, user_ids, 1)[:, 0]
-        return user_ids[u < cls.sampling_rate(config)]
-
-    def apply(self, step: Step, noisy_means: Mapping[str, np.ndarray]) -> dict[str, float]:
-        c = self.config
-        self.models = ml.project_to_ball(self.models - c.learning_rate * noisy_means["grads"],
-                                         c.meta_radius)
-        return self._record_iterate()
 
 
 class MetaNSGD(_SampledMeta[SampledMetaConfig]):

@@ -23,6 +23,9 @@ from fedpriv.config import RunConfig
 from fedpriv.data.meta import LOSSES
 from fedpriv.params import ConfigError, Param, key, non_negative, one_of, positive
 
+META_MODELS = Param("meta-models", int, 1, "q, the number of meta-models", positive,
+                    "an integer >= 1")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TaskKeys(RunConfig):
@@ -85,8 +88,7 @@ class SamplingKeys(RunConfig):
 @dataclass(frozen=True, kw_only=True)
 class ClusterKeys(RunConfig):
     component: ClassVar[str] = "meta-model clusters"
-    meta_models: int = key(Param(
-        "meta-models", int, 1, "q, the number of meta-models", positive, "an integer >= 1"))
+    meta_models: int = key(META_MODELS)
     meta_init_scale: float = key(Param(
         "meta-init-scale", float, 1.0, "q > 1: norm of the seeded random starting "
         "meta-models", non_negative, "a number >= 0"))
@@ -105,7 +107,12 @@ class OnePassConfig(MetaConfig, MetaRoundKeys):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SampledMetaConfig(MetaConfig, MetaRoundKeys, SamplingKeys):
+class SampledRoundsConfig(MetaRoundKeys, SamplingKeys):
+    """What the sampled schedule reads (``schedule.SampledRounds``), whatever the tasks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampledMetaConfig(MetaConfig, SampledRoundsConfig):
     """Meta-NSGD and Meta-SGD: rounds over Poisson samples of the tasks."""
 
 

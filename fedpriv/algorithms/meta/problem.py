@@ -4,13 +4,12 @@ docstring for the metrics)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
 
 from fedpriv.algorithms.meta import meta_math as ml
-from fedpriv.algorithms.meta.params import MetaConfig, SamplingKeys, TaskKeys
+from fedpriv.algorithms.meta.params import MetaConfig, TaskKeys
 from fedpriv.data.meta import MetaProblem, Tasks, cluster_centers, generate_tasks
 
 
@@ -26,12 +25,6 @@ def meta_problem_of(config: TaskKeys) -> MetaProblem:
         loss=config.task_loss,
         seed=config.seed,
     )
-
-
-def paper_tasks_per_round(config: SamplingKeys) -> int:
-    """Algorithm 1, line 1: ``m = max(K sqrt(epsilon / (4T)), 1)`` (capped at K)."""
-    m = config.num_users * math.sqrt(config.epsilon / (4.0 * config.rounds))
-    return int(min(config.num_users, max(1, round(m))))
 
 
 def _fresh_fit(config: MetaConfig, models: np.ndarray,
