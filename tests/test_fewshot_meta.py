@@ -48,9 +48,11 @@ def test_prototypes_score_minus_squared_distances_and_head_steps_are_gradient_st
     fs, fq = torch.randn(WAYS * SHOTS, 4, generator=g), torch.randn(5, 4, generator=g)
     ys = torch.arange(WAYS).repeat_interleave(SHOTS)
     logits = fm.adapted_logits(fs, ys, fq, WAYS, 0, 0.0, False)
-    for j in range(WAYS):
-        proto = fs[ys == j].mean(0)
-        assert torch.allclose(logits[:, j], -((fq - proto) ** 2).sum(1), atol=1e-5)
+    distances = torch.stack([((fq - fs[ys == j].mean(0)) ** 2).sum(1) for j in range(WAYS)], 1)
+    # minus the squared distances, up to a constant per query: the same softmax
+    assert torch.allclose(torch.softmax(logits, 1), torch.softmax(-distances, 1), atol=1e-6)
+    assert torch.allclose(logits + distances, (logits + distances)[:, :1].expand(-1, WAYS),
+                          atol=1e-4)
     # two steps of the head from the prototype classifier, by autograd on the support loss
     protos = torch.stack([fs[ys == j].mean(0) for j in range(WAYS)])
     w = (2 * protos).clone().requires_grad_(True)
@@ -279,3 +281,23 @@ def test_omniglot_tasks_meta_learn_a_conv4_from_disjoint_characters(tmp_path):
     assert 0.0 <= out["metrics"]["transfer_accuracy"] <= 1.0
     conv4_body = (9 * 64 + 64) + 3 * (64 * 64 * 9 + 64)  # four 3x3 convolutions, 64 channels
     assert np.asarray(out["server_state"]["meta_models"]).shape == (1, conv4_body)
+
+
+def test_validation_runs_train_and_score_on_disjoint_images():
+    """eval-tasks = "validation": training tasks draw from the kept meta-training images, the
+    evaluation's tasks from the held-out sixth; the test split is not read by either."""
+    from fedpriv.algorithms.fewshot.problem import problem_of
+    from fedpriv.data.fewshot import draw_tasks
+
+    cfg = config(algorithm="fewshot-meta-nsgd", eval_tasks="validation")
+    pool = problem_of(cfg).pool
+    test = problem_of(config(algorithm="fewshot-meta-nsgd")).pool
+    assert set(pool.test_rows) < set(test.train_rows)  # held out of the meta-training images
+    ids = np.arange(60)
+    train = draw_tasks(pool, "train", ids, 5, 5, 3, cfg.seed)
+    valid = draw_tasks(pool, "test", ids, 5, 5, 3, cfg.seed)
+    seen = set(train.support.ravel()) | set(train.query.ravel())
+    scored = set(valid.support.ravel()) | set(valid.query.ravel())
+    assert not seen & scored and not scored & set(test.test_rows)
+    out = quiet(cfg)
+    assert out["metrics"]["fresh_tasks"] == 60 and 0 < out["metrics"]["transfer_accuracy"] < 1

@@ -24,7 +24,8 @@ def adapted_logits(fs: torch.Tensor, ys: torch.Tensor, fq: torch.Tensor, ways: i
                    steps: int, lr: float, first_order: bool) -> torch.Tensor:
     """Query logits (..., NQ, N) of tasks adapted to their support embeddings ``fs`` (..., NK,
     h) with labels ``ys`` (..., NK): the classes' mean support embeddings (prototypes) score
-    a query by minus its squared distance to each (Snell et al. 2017); with ``steps`` > 0, the
+    a query by minus its squared distance to each (Snell et al. 2017; up to a constant per
+    query, which neither the softmax nor the argmax sees); with ``steps`` > 0, the
     same classifier written as a linear head (``W = 2 c``, ``b = -||c||^2``) then takes
     ``steps`` gradient steps of the support's mean cross-entropy (ProtoMAML, Triantafillou et
     al. 2020), in closed form (no second backward pass). ``first_order`` (steps > 0): the
@@ -35,9 +36,12 @@ def adapted_logits(fs: torch.Tensor, ys: torch.Tensor, fq: torch.Tensor, ways: i
     onehot = (ys[..., None] == torch.arange(ways, device=ys.device)).to(fs.dtype)
     counts = onehot.sum(-2)[..., None]
     proto = torch.einsum("...sw,...sh->...wh", onehot, fs) / counts
-    if steps == 0:
-        return -((fq[..., :, None, :] - proto[..., None, :, :]) ** 2).sum(-1)
+    # -||q - c||^2 = 2 q.c - ||c||^2 - ||q||^2: the last term is the same for every class of a
+    # query, which neither the softmax nor the argmax sees, so it is left out (no (queries x
+    # classes x width) difference tensor is formed)
     w0, b0 = 2.0 * proto, -(proto ** 2).sum(-1)
+    if steps == 0:
+        return torch.einsum("...qh,...wh->...qw", fq, w0) + b0[..., None, :]
     if first_order:
         with torch.no_grad():
             w, b = _head_steps(fs.detach(), onehot, w0.detach(), b0.detach(), steps, lr)
