@@ -48,6 +48,12 @@ def _choices(config: FewShotConfig, problem: FewShotProblem, models: torch.Tenso
     return choice
 
 
+def _models(arrays: Mapping[str, np.ndarray], problem: FewShotProblem) -> torch.Tensor:
+    """The broadcast embedding(s), (q, body size) float32 on the problem's device."""
+    return torch.from_numpy(np.atleast_2d(np.asarray(arrays["models"], np.float32))).to(
+        problem.device)
+
+
 class FewShotBase(MetaModels[FC]):
     """Every few-shot algorithm: the network's embedding as the meta-model(s), the tasks'
     clipped meta-gradients, the final evaluation on fresh meta-test tasks."""
@@ -80,8 +86,7 @@ class FewShotBase(MetaModels[FC]):
     def user_step(cls, config: FC, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         problem = problem_of(config)
-        models = torch.from_numpy(np.atleast_2d(np.asarray(arrays["models"], np.float32))
-                                  ).to(problem.device)
+        models = _models(arrays, problem)
         if step.is_final:
             return UserContribution({}, len(user_ids), 0,
                                     cls.final_sums(config, problem, models, user_ids))
@@ -103,11 +108,11 @@ class FewShotBase(MetaModels[FC]):
 
     @classmethod
     def fresh_scores(cls, config: FC, problem: FewShotProblem, models: torch.Tensor,
-                     task_ids: np.ndarray) -> dict[str, np.ndarray]:
+                     task_ids: np.ndarray, local: bool = True) -> dict[str, np.ndarray]:
         """Per fresh task (one per id; ``eval-tasks``: a meta-test task, or a validation task
         of the held-out meta-training images: ``problem.problem_of``): ``accuracy`` of the
-        adapted meta-model (the task's choice among several), ``local`` (trained alone),
-        ``choice``."""
+        adapted meta-model (the task's choice among several), ``local`` (trained alone; not
+        computed with ``local = False``), ``choice``."""
         out: dict[str, list[np.ndarray]] = {"accuracy": [], "local": [], "choice": []}
         size = chunk_tasks(config, problem)
         for start in range(0, len(task_ids), size):
@@ -121,8 +126,9 @@ class FewShotBase(MetaModels[FC]):
                                                   block.ys[mine], block.yq[mine], config.ways,
                                                   config.adapt_steps, config.adapt_lr)
             out["accuracy"].append(acc.cpu().numpy())
-            out["local"].append(fm.scratch_accuracy(block.x, block.ys, block.yq,
-                                                    config.ways).cpu().numpy())
+            if local:
+                out["local"].append(fm.scratch_accuracy(block.x, block.ys, block.yq,
+                                                        config.ways).cpu().numpy())
             out["choice"].append(choice)
         return {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
 
@@ -155,9 +161,8 @@ class FewShotBase(MetaModels[FC]):
     def evaluation_values(cls, config: FC, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         problem = problem_of(config)
-        models = torch.from_numpy(np.atleast_2d(np.asarray(arrays["models"], np.float32))
-                                  ).to(problem.device)
-        scores = cls.fresh_scores(config, problem, models, user_ids)
+        scores = cls.fresh_scores(config, problem, _models(arrays, problem), user_ids,
+                                  local=False)  # the released metric needs no local training
         return {"transfer_error": 1.0 - scores["accuracy"]}
 
     def state(self) -> dict[str, Any]:
