@@ -69,6 +69,9 @@ def run_files(results_path: str | os.PathLike[str]) -> tuple[Path, Path, Path]:
 def publishable(report: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether the release of this run may be published, and if not, why."""
     privacy = report["privacy"]
+    if privacy["epsilon"] is None and privacy.get("record_level"):
+        return False, ("record-level DP only: each record of a task is protected, a task's "
+                       "whole data (the user) is not")
     if privacy["epsilon"] is None:
         return False, ("non-private baseline: its sums were released without noise, so its "
                        "model is not private")

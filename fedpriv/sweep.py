@@ -23,7 +23,8 @@
     set = { rounds = 5 }                    # run-config keys of this series only
 
 A series whose algorithm spends no privacy budget (non-private baselines, local-only, the
-known-U* reference) does not depend on epsilon: it runs once per seed (and x value) and is
+known-U* reference; not a record-level baseline, whose noise epsilon sets) does not depend on
+epsilon: it runs once per seed (and x value) and is
 drawn as a horizontal line against epsilon, or as one curve against x. Every run config is
 validated (and every privacy plan calibrated) before the first run starts. Outputs, under
 ``--out`` (default ``results/sweeps/<name>``): one results JSON per run in ``runs/`` (reused
@@ -193,7 +194,9 @@ def load_sweep(path: str | os.PathLike[str], overrides: dict[str, Any] | None = 
         first = {} if xs[0] is None or not reads_x else {x_key: xs[0]}
         probe = _config(where, {**values, **first, "epsilon": float(epsilons[0]),
                                 "seed": seeds[0]})
-        depends = bool(algorithm_for(probe)(probe).privacy_plan())
+        probed = algorithm_for(probe)(probe)
+        # a record-level baseline's noise is calibrated to epsilon too (per record)
+        depends = bool(probed.privacy_plan()) or probed.record_level_privacy() is not None
         for x in xs:
             at = {} if x is None or not reads_x else {x_key: x}
             where_x = where if x is None else f"{where} at {x_key}={x}"
@@ -451,6 +454,9 @@ def summarize(spec: SweepSpec, results: dict[Run, dict[str, Any]]) -> list[dict[
             row[f"{name}_mean"] = sum(m[name] for _, m in measured) / len(members)
         # None: released without noise (not private); otherwise the accountant's epsilon
         row["epsilon_spent_max"] = None if any(s is None for s in spent) else max(spent)
+        record = [r["privacy"].get("record_level") for _, r in members]
+        if all(record):  # a record-level baseline: its epsilon per record
+            row["record_epsilon_spent_max"] = max(r["epsilon"] for r in record if r)
         row["wall_time_s_mean"] = sum(r["wall_time_s"] for _, r in members) / len(members)
         rows.append(row)
     return rows

@@ -286,9 +286,10 @@ def test_every_builtin_default_is_a_working_value():
 def test_key_tables_say_what_a_per_algorithm_placeholder_means():
     tables = markdown_tables()
     assert ("| `rounds` | `0`: 5; deep-private-fedrep, deep-dp-fedavg, deep-dp-fedavg-ft: "
-            "epsilon x num-users / 50, within 10..40; deep-fedrep, deep-fedavg-ft: 40; "
-            "fewshot-meta-nsgd, fewshot-meta-sgd, fewshot-private-meta-cluster, "
-            "fewshot-meta-cluster, fewshot-dp-ftmrl, fewshot-ftmrl: 80 |") in tables
+            "epsilon x num-users / 50, within 10..40; deep-fedrep, deep-fedavg-ft, "
+            "fewshot-dp-reptile: 40; fewshot-meta-nsgd, fewshot-meta-sgd, "
+            "fewshot-private-meta-cluster, fewshot-meta-cluster, fewshot-dp-ftmrl, "
+            "fewshot-ftmrl: 80 |") in tables
     assert ("deep-private-fedrep, deep-dp-fedavg, deep-dp-fedavg-ft, fewshot-meta-nsgd, "
             "fewshot-meta-sgd, fewshot-private-meta-cluster, fewshot-meta-cluster, "
             "fewshot-dp-ftmrl, fewshot-ftmrl: 0.25; deep-fedrep: 2.0") in tables

@@ -264,6 +264,12 @@ class Algorithm(Generic[C]):
         post-processing): never exact statistics of the users' data or secret noise state."""
         return {}
 
+    def record_level_privacy(self) -> dict[str, Any] | None:
+        """A baseline whose only guarantee is record-level (DP-SGD on the nodes, no user-level
+        noise): that guarantee as its accountant computed it (the results' ``privacy``
+        entry); None for every user-level algorithm."""
+        return None
+
     # ----- both sides ------------------------------------------------------------------------
     @classmethod
     def hosted_users(cls, config: C, partition_id: int, num_partitions: int) -> np.ndarray:

@@ -28,6 +28,7 @@ meta-testing draw from, with the rows each may use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -97,8 +98,7 @@ def draw_tasks(pool: FewShotPool, part: str, task_ids: np.ndarray, ways: int, sh
     of that class, all distinct (module docstring). A pure function of (seed, part, task id)
     per task."""
     ids = np.asarray(task_ids, dtype=np.int64).reshape(-1)
-    rows = pool._rows(part)
-    classes = pool.classes(part)
+    classes, by_class = _part_index(pool, part)
     if ways < 1 or shots < 1 or queries < 1:
         raise ValueError(f"ways, shots and queries are at least 1, got {ways}, {shots}, "
                          f"{queries}")
@@ -106,7 +106,6 @@ def draw_tasks(pool: FewShotPool, part: str, task_ids: np.ndarray, ways: int, sh
         raise DatasetError(f"{pool.name}: a {ways}-way task needs {ways} classes; the "
                            f"meta-{part} part has {len(classes)}")
     per_class = shots + queries
-    by_class = _rows_by_class(pool.y, rows, classes)
     small = [c for c, r in zip(classes, by_class, strict=True) if len(r) < per_class]
     if small:
         name = pool.class_names[int(small[0])]
@@ -125,6 +124,15 @@ def draw_tasks(pool: FewShotPool, part: str, task_ids: np.ndarray, ways: int, sh
                                      per_class)
             picked[mine, j] = by_class[k][place]
     return Tasks(ids, classes[chosen], picked[..., :shots], picked[..., shots:])
+
+
+@lru_cache(maxsize=16)
+def _part_index(pool: FewShotPool, part: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A part's classes and each one's rows: computed once per pool (a node draws its tasks
+    chunk by chunk, every round)."""
+    rows = pool._rows(part)
+    classes = pool.classes(part)
+    return classes, _rows_by_class(pool.y, rows, classes)
 
 
 def _rows_by_class(y: np.ndarray, rows: np.ndarray, classes: np.ndarray) -> list[np.ndarray]:

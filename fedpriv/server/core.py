@@ -388,7 +388,8 @@ class PrivateServer:
             multipliers=self.multipliers, ledger=self.accountant.ledger, metrics=self.metrics,
             rounds=self.rounds, rejections=self.rejections, bounded=self.bounded,
             resumed_from=self.resumed_from, server_state=self.algorithm.state(),
-            private_metrics=self._private_metrics(), wall_time_s=wall_time_s)
+            private_metrics=self._private_metrics(), wall_time_s=wall_time_s,
+            record_level=self.algorithm.record_level_privacy())
 
     def _private_metrics(self) -> dict[str, dict[str, float | None]]:
         """The evaluation release (``private-metrics``): each metric's noisy mean (released),

@@ -64,11 +64,14 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
                  rounds: list[dict[str, Any]],
                  rejections: Mapping[str, int], bounded: int, resumed_from: int | None,
                  server_state: dict[str, Any], wall_time_s: float,
-                 private_metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 private_metrics: Mapping[str, Any] | None = None,
+                 record_level: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The results file of a run. ``epsilon`` None: sums were released without noise;
-    ``pure``: a pure epsilon-DP run (exponential mechanism), reported at delta 0."""
+    ``pure``: a pure epsilon-DP run (exponential mechanism), reported at delta 0;
+    ``record_level``: a baseline's record-level guarantee (``Algorithm.record_level_privacy``),
+    under ``privacy.record_level``."""
     c = config
-    return {
+    results: dict[str, Any] = {
         "algorithm": c.algorithm,
         "num_users": c.num_users,
         "runtime": runtime,
@@ -103,6 +106,11 @@ def results_dict(config: RunConfig, *, num_nodes: int, runtime: str, private: bo
         "server_state": server_state,
         "wall_time_s": wall_time_s,
     }
+    if record_level is not None:  # who its guarantee trusts is its own, and per record
+        record = dict(record_level)
+        results["privacy"].update(trust=record.pop("trust", None), level="record",
+                                  record_level=record)
+    return results
 
 
 def measured_metrics(results: Mapping[str, Any]) -> dict[str, float]:
@@ -248,6 +256,12 @@ def plan_lines(multipliers: Mapping[str, float], pure_epsilons: Mapping[str, flo
 
 def privacy_line(p: Mapping[str, Any]) -> str:
     """The privacy line of the summary, from the results' ``privacy`` entry."""
+    if p["epsilon"] is None and p.get("record_level"):
+        r = p["record_level"]
+        return (f"  privacy: record-level only: epsilon {r['epsilon']:.4f} per record (target "
+                f"{r['target_epsilon']}), delta {r['delta']:g}, {r['accountant']}, "
+                f"{r['neighbouring_relation']}; NO task-level (user-level) guarantee: a "
+                "task's whole data is not protected")
     if p["epsilon"] is None:
         return "  privacy: none (a non-private baseline: sums released without noise)"
     if not p["ledger"]:

@@ -39,7 +39,7 @@ SPECIAL = {  # algorithms whose small run needs more than the family's settings
     **{name: {"hidden-sizes": "16", "queries": 3}  # few-shot tasks of digits' images
        for name in ("fewshot-meta-nsgd", "fewshot-meta-sgd", "fewshot-private-meta-cluster",
                     "fewshot-meta-cluster", "fewshot-dp-ftmrl", "fewshot-ftmrl",
-                    "fewshot-local")},
+                    "fewshot-local", "fewshot-dp-reptile")},
     "fewshot-private-meta-cluster": {"hidden-sizes": "16", "queries": 3, "meta-models": 2},
 }
 

@@ -22,9 +22,11 @@ from fedpriv.algorithms.deep.params import (
 )
 from fedpriv.algorithms.fewshot.params import (
     FEWSHOT_DEFAULTS,
+    REPTILE_DEFAULTS,
     FewShotClusterConfig,
     FewShotConfig,
     FewShotOnePassConfig,
+    FewShotReptileConfig,
     FewShotSampledConfig,
 )
 from fedpriv.config import RunConfig
@@ -74,6 +76,10 @@ DEEP: tuple[tuple[str, bool, str, type[RunConfig], Mapping[str, Any], str], ...]
      FewShotOnePassConfig, FEWSHOT_DEFAULTS, _F + "FewShotDPFTMRL"),
     ("fewshot-ftmrl", False, "FTMRL on few-shot image tasks without noise (one-pass baseline)",
      FewShotOnePassConfig, FEWSHOT_DEFAULTS, _F + "FewShotFTMRL"),
+    ("fewshot-dp-reptile", False,
+     "record-level DP baseline (DP-Reptile, Li et al. 2020): DP-SGD inside each task; "
+     "protects single records, not tasks", FewShotReptileConfig, REPTILE_DEFAULTS,
+     "fedpriv.algorithms.fewshot.reptile:FewShotDPReptile"),
     ("fewshot-local", False,
      "each few-shot task alone: a linear model on its support pixels (baseline)",
      FewShotConfig, _NONE, _F + "FewShotLocal"),

@@ -48,7 +48,7 @@ def _choices(config: FewShotConfig, problem: FewShotProblem, models: torch.Tenso
     return choice
 
 
-def _models(arrays: Mapping[str, np.ndarray], problem: FewShotProblem) -> torch.Tensor:
+def models_of(arrays: Mapping[str, np.ndarray], problem: FewShotProblem) -> torch.Tensor:
     """The broadcast embedding(s), (q, body size) float32 on the problem's device."""
     return torch.from_numpy(np.atleast_2d(np.asarray(arrays["models"], np.float32))).to(
         problem.device)
@@ -86,7 +86,7 @@ class FewShotBase(MetaModels[FC]):
     def user_step(cls, config: FC, step: Step, arrays: Mapping[str, np.ndarray],
                   user_ids: np.ndarray) -> UserContribution:
         problem = problem_of(config)
-        models = _models(arrays, problem)
+        models = models_of(arrays, problem)
         if step.is_final:
             return UserContribution({}, len(user_ids), 0,
                                     cls.final_sums(config, problem, models, user_ids))
@@ -161,7 +161,7 @@ class FewShotBase(MetaModels[FC]):
     def evaluation_values(cls, config: FC, arrays: Mapping[str, np.ndarray],
                           user_ids: np.ndarray) -> dict[str, np.ndarray]:
         problem = problem_of(config)
-        scores = cls.fresh_scores(config, problem, _models(arrays, problem), user_ids,
+        scores = cls.fresh_scores(config, problem, models_of(arrays, problem), user_ids,
                                   local=False)  # the released metric needs no local training
         return {"transfer_error": 1.0 - scores["accuracy"]}
 

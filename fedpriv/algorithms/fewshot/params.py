@@ -95,3 +95,25 @@ class FewShotClusterConfig(FewShotSampledConfig, FewShotClusterKeys):
 @dataclass(frozen=True, kw_only=True)
 class FewShotOnePassConfig(FewShotConfig, MetaRoundKeys):
     """DP-FTMRL on few-shot tasks."""
+
+
+# the record-level baseline's own defaults (docs/results.md: chosen on validation tasks)
+REPTILE_DEFAULTS: Mapping[str, Any] = {"rounds": 40}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordDPKeys(RunConfig):
+    component: ClassVar[str] = "record-level noisy steps inside a task"
+    inner_steps: int = key(Param(
+        "inner-steps", int, 3, "fewshot-dp-reptile: full-batch DP-SGD steps a sampled task "
+        "takes on its own records from the meta-model (each record's gradient clipped to "
+        "clip-norm, Gaussian noise on the task's sum)", positive, "an integer >= 1"))
+    inner_lr: float = key(Param(
+        "inner-lr", float, 0.5, "fewshot-dp-reptile: the step size of those DP-SGD steps",
+        positive, "a number > 0"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FewShotReptileConfig(FewShotSampledConfig, RecordDPKeys):
+    """The record-level baseline (``fewshot-dp-reptile``): Meta-NSGD's rounds and sampling,
+    DP-SGD inside each task."""

@@ -76,12 +76,14 @@ def problem_of(config: FewShotConfig) -> FewShotProblem:
                     config.ways, config.device, config.eval_tasks == "validation")
 
 
-def starting_bodies(config: FewShotConfig, count: int) -> np.ndarray:
+def starting_bodies(config: FewShotConfig, count: int, whole: bool = False) -> np.ndarray:
     """``count`` starting embeddings (count, body size) float64: the network's own
-    initialization under seeds derived from the run seed (public values only)."""
+    initialization under seeds derived from the run seed (public values only); ``whole``:
+    the whole networks (count, size), head included."""
     spec = problem_of(config).spec
     seeds = np.random.SeedSequence([config.seed, _INIT_STREAM]).generate_state(count)
-    return np.stack([spec.initial(int(s))[:spec.body_size] for s in seeds]).astype(np.float64)
+    width = spec.size if whole else spec.body_size
+    return np.stack([spec.initial(int(s))[:width] for s in seeds]).astype(np.float64)
 
 
 def task_block(config: FewShotConfig, problem: FewShotProblem, part: str,
