@@ -8,13 +8,14 @@ task's other records and its noise are there whether or not the record is, so th
 and without the record differ in the whole of the sampled rounds' mechanisms, not only in
 whether they happened. Conditioned on the coins (which rounds the task takes part in, k of
 them), the record's rounds are a composition of k ``mu``-GDP mechanisms, exactly
-``sqrt(k) mu``-GDP (Dong, Roth & Su 2019); the coins have the same law on both neighbouring
-datasets, so by joint convexity of the hockey-stick divergence
+``sqrt(k) mu``-GDP (Dong, Roth & Su 2019: adaptive composition); the coins have the same law
+on both neighbouring datasets, so by joint convexity of the hockey-stick divergence
 
     delta(epsilon) <= sum_k Binomial(k; T, q) delta_GDP(sqrt(k) mu)(epsilon),
 
-with equality when the coins are visible (the bound holds whoever knows them). This module
-computes that profile, calibrates ``mu`` to a target (epsilon, delta), and inverts it.
+which holds whoever knows the coins (and is tight in the worst case when they are visible).
+This module computes that profile, calibrates ``mu`` to a target (epsilon, delta), and inverts
+it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import math
 from fedpriv.privacy.bounds import InfeasiblePlanError, _gdp_delta
 
 _NEGLIGIBLE = 1e-300  # binomial weights below this add nothing a float can hold
+MAX_MU = 1e3  # a round's mu above this: epsilon in the hundreds of thousands, not calibrated
+MAX_EPSILON = 1e7  # above any epsilon a calibrated mu reaches
 
 
 def _weights(rounds: int, rate: float) -> list[tuple[int, float]]:
@@ -59,8 +62,9 @@ def participation_mu(epsilon: float, delta: float, rounds: int, rate: float) -> 
     lo, hi = 1e-3, 1.0
     while gap(hi) < 0:
         lo, hi = hi, 2.0 * hi
-        if hi > 1e6:
-            raise InfeasiblePlanError("no noise is needed for this target")
+        if hi > MAX_MU:
+            raise InfeasiblePlanError(f"epsilon={epsilon} is beyond the record-level "
+                                      f"calibration's range (a round's mu over {MAX_MU:g})")
     while gap(lo) >= 0:
         if lo < 1e-12:
             raise InfeasiblePlanError(f"(epsilon={epsilon}, delta={delta}) is below what any "
@@ -73,20 +77,20 @@ def participation_mu(epsilon: float, delta: float, rounds: int, rate: float) -> 
 
 
 def participation_epsilon(mu: float, rounds: int, rate: float, delta: float) -> float:
-    """The least epsilon at which ``participation_delta`` is at most ``delta``."""
-    from scipy.optimize import brentq
+    """The least epsilon at which ``participation_delta`` is at most ``delta``, from above:
+    bisection keeps the end of the bracket the profile confirms (within 1e-10 relative)."""
 
     def gap(eps: float) -> float:
         return participation_delta(mu, rounds, rate, eps) - delta
 
     if gap(0.0) <= 0:
         return 0.0
-    hi = 1.0
+    lo, hi = 0.0, 1.0
     while gap(hi) > 0:
-        if hi > 1e4:
+        if hi > MAX_EPSILON:
             return math.inf
-        hi *= 2.0
-    eps = float(brentq(gap, 0.0, hi, xtol=1e-10))
-    while gap(eps) > 0:  # never under the profile: step up until it confirms
-        eps += 1e-9 * max(eps, 1.0)
-    return eps
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-10 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)
+    return hi

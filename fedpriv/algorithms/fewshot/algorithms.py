@@ -62,6 +62,8 @@ class FewShotBase(MetaModels[FC]):
     defaults = FEWSHOT_DEFAULTS
     average_iterates = False  # a network's iterates are not averaged: the last is released
     scores_meta_models: ClassVar[bool] = True
+    # the meta-model: the network's embedding (its body), or the whole network (the head too)
+    whole_network: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, config: FC) -> None:
@@ -76,11 +78,12 @@ class FewShotBase(MetaModels[FC]):
 
     @classmethod
     def model_size(cls, config: FC) -> int:
-        return problem_of(config).spec.body_size
+        spec = problem_of(config).spec
+        return spec.size if cls.whole_network else spec.body_size
 
     @classmethod
     def starting_models(cls, config: FC) -> np.ndarray:
-        return starting_bodies(config, cls.num_models(config))
+        return starting_bodies(config, cls.num_models(config), whole=cls.whole_network)
 
     @classmethod
     def user_step(cls, config: FC, step: Step, arrays: Mapping[str, np.ndarray],

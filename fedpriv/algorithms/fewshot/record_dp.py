@@ -4,8 +4,9 @@ network (body and head), full-batch DP-SGD steps on the task's own records (supp
 rows, each record's cross-entropy a loss of its own), each record's gradient clipped to
 ``clip`` and Gaussian noise added to each task's sum, the task's noise from its own generator.
 
-One step's noised sum changes by at most ``clip`` (a record added or removed) or ``2 clip``
-(replaced) whatever the record holds, at a fixed iterate: a record whose gradient is not finite
+One step's noised sum changes by at most ``clip`` (a record zeroed out: its rows contribute
+nothing, the task's row count r public) or ``2 clip`` (replaced) whatever the record holds, at a
+fixed iterate: a record whose gradient is not finite
 adds exactly nothing. Two paths give the same sums: a plain MLP (``Flatten``, ``Linear`` and
 ``ReLU`` layers: the deep family's ``mlp``) is computed as batched matrix products, each record's
 gradient norm from its layer inputs and output gradients (``||g a^T||^2 = ||g||^2 ||a||^2``), no

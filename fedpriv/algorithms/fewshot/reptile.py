@@ -11,8 +11,9 @@ sum by the public m and steps ``theta <- theta - learning-rate * mean`` (Reptile
 every few-shot algorithm scores them: prototypes on the body's embedding.
 
 Privacy: **record-level only**. One record changes one step's noised sum of its task by at most
-``clip-norm`` (``2 clip-norm`` replaced); a task's ``s`` steps in a round compose exactly into
-one ``mu``-GDP mechanism (``mu = sqrt(s) / z_step``). Sampling the *task* does not amplify a
+``clip-norm`` (zeroed out: its rows contribute nothing, the task's row count public; ``2
+clip-norm`` replaced); a task's ``s`` steps in a round are ``mu``-GDP (``mu = sqrt(s) /
+z_step``, adaptive composition). Sampling the *task* does not amplify a
 *record's* privacy (the task's other records and noise are there either way), so the rounds are
 accounted as a binomial mixture over how many the task takes part in
 (``fedpriv.privacy.participation``), ``mu`` calibrated to the run's (epsilon, delta); it holds
@@ -39,7 +40,6 @@ from fedpriv.algorithms.fewshot.params import REPTILE_DEFAULTS, FewShotReptileCo
 from fedpriv.algorithms.fewshot.problem import (
     FewShotProblem,
     problem_of,
-    starting_bodies,
     task_block,
 )
 from fedpriv.algorithms.fewshot.record_dp import dp_sgd_updates, mlp_layers
@@ -106,6 +106,7 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
                "task; protects single records, not tasks")
     config_type = FewShotReptileConfig
     defaults = REPTILE_DEFAULTS
+    whole_network = True  # Reptile meta-learns the head's start too
 
     @classmethod
     def validate(cls, config: FewShotReptileConfig) -> None:
@@ -114,9 +115,9 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
             raise ConfigError(f"clipping: {cls.name} clips every record's gradient (its "
                               "record-level noise is calibrated to clip-norm); remove "
                               "clipping = false")
-        if not math.isfinite(config.epsilon):
-            raise ConfigError(f"epsilon: {cls.name} adds record-level noise calibrated to a "
-                              "finite epsilon; for no noise use fewshot-meta-sgd")
+        if not math.isfinite(config.epsilon) or config.epsilon > 1e3:
+            raise ConfigError(f"epsilon: {cls.name} adds record-level noise calibrated to an "
+                              "epsilon of at most 1000; for no noise use fewshot-meta-sgd")
         if config.secure_noise:
             raise ConfigError(f"secure-noise: {cls.name} is a research baseline whose "
                               "record-level noise is torch's float Gaussian, drawn on the nodes "
@@ -125,14 +126,6 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
             step_noise_std(config)
         except InfeasiblePlanError as err:
             raise ConfigError(f"epsilon: {cls.name}'s record-level plan: {err}") from None
-
-    @classmethod
-    def model_size(cls, config: FewShotReptileConfig) -> int:
-        return problem_of(config).spec.size
-
-    @classmethod
-    def starting_models(cls, config: FewShotReptileConfig) -> np.ndarray:
-        return starting_bodies(config, 1, whole=True)
 
     def steps(self) -> list[Step]:
         """Meta-NSGD's rounds; a task's update is bounded by no task-level clip."""
@@ -164,11 +157,15 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
     def record_level_privacy(self) -> dict[str, Any]:
         c = self.config
         rate = self.sampling_rate(c)
-        spent = participation_epsilon(round_mu(c), self.iterates, rate, c.delta)
+        # no more than the target: the calibration confirmed delta(target) over all its rounds
+        spent = min(participation_epsilon(round_mu(c), self.iterates, rate, c.delta), c.epsilon)
         return {"level": "record", "epsilon": spent, "target_epsilon": c.epsilon,
                 "delta": c.delta,
                 "accountant": "gdp binomial mixture (fedpriv.privacy.participation)",
-                "neighbouring_relation": c.neighbouring_relation,
+                "neighbouring_relation": ("zero-out (a record's rows made to contribute "
+                                          "nothing; a task's row count is public)"
+                                          if c.neighbouring_relation == "add-remove"
+                                          else "replace-one"),
                 "rounds_accounted": self.iterates, "task_sampling_rate": rate,
                 "task_sampling_amplifies": False, "mu_per_round": round_mu(c),
                 "inner_steps": c.inner_steps, "clip_norm": c.clip_norm,
@@ -179,7 +176,9 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
                           "server": "adds no noise; receives each node's sum of its tasks' "
                                     "noised updates and exact task counts",
                           "hostile nodes": "unbounded: a task's update has no task-level clip",
-                          "protects": "one record (a task's row); not a task's whole data"}}
+                          "protects": "one record (a task's row); not a task's whole data; "
+                                      "an image several tasks draw from the shared pool is "
+                                      "several records (group privacy)"}}
 
     def state(self) -> dict[str, Any]:
         """The released network (body and head); fresh tasks use its body's embedding."""
