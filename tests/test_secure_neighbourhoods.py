@@ -119,19 +119,32 @@ def test_a_ring_is_drawn_over_all_but_the_declared_dropouts_and_no_fewer(monkeyp
         quiet(make_config(aggregation="secure", **SMALL))
 
 
-def _tampered(at, change):
+def _tampered(at, change, chosen):
+    """Changes one node's message of stage ``at``: node 3's, or for ``_beacon_neighbour`` the
+    first node with a beacon node among its ring neighbours (the ring is drawn from a fresh
+    round id, so node 3 has none in some runs); the node changed is appended to ``chosen``."""
     def tamper(label, stage, messages, record):
         if label == at and stage in change:
-            messages[3] = change[stage](dict(messages[3]), record)
+            node = 3
+            if change[stage] is _beacon_neighbour:
+                node = next(n for n in sorted(messages) if _beacon_peer(messages[n]))
+            chosen.append(node)
+            messages[node] = change[stage](dict(messages[node]), record)
         return messages
     return tamper
 
 
-def _beacon_neighbour(msg, record):
-    """Node 3's message with one of its neighbours' keys replaced, that neighbour a beacon
-    node: the beacon list (hashed into the graph) and the key list then disagree."""
+def _beacon_peer(msg):
+    """(the neighbour, its place in the node's peer list) of a node's first ring neighbour
+    that is a beacon node, or None."""
     u1 = G.members(np.asarray(msg["nodes"]), K)
-    (v, at), *_ = [(v, i) for i, v in enumerate(msg["peers"]) if v in u1[:G.BEACON]]
+    return next(((v, i) for i, v in enumerate(msg["peers"]) if v in u1[:G.BEACON]), None)
+
+
+def _beacon_neighbour(msg, record):
+    """A node's message with one of its neighbours' keys replaced, that neighbour a beacon
+    node: the beacon list (hashed into the graph) and the key list then disagree."""
+    _, at = _beacon_peer(msg)
     msg["c-pks"] = [*msg["c-pks"][:at], bytes(32), *msg["c-pks"][at + 1:]]
     return msg
 
@@ -149,15 +162,17 @@ def test_a_node_refuses_what_it_can_check_in_a_ring_round(monkeypatch, at, chang
     """A beacon node's key that differs from its neighbour copy, a node list of another size,
     a survivor count below the round's minimum (a majority: 36 of 70)."""
     fix_node_noise(monkeypatch)
-    record = instrument(monkeypatch, tamper=_tampered(at, change))
+    chosen: list[int] = []
+    record = instrument(monkeypatch, tamper=_tampered(at, change, chosen))
     result = quiet(make_config(aggregation="secure", **SMALL))
     stage = next(iter(change))
-    # the round went on: without node 3 (refused before its vector was masked), or with its
+    assert len(chosen) == 1
+    # the round went on: without the node (refused before its vector was masked), or with its
     # vector and without its shares (refused at unmask; the others' shares sufficed)
     index = ["init", "round-1"].index(at)
     assert result["rounds"][index]["nodes_failed"] == (0 if stage == "unmask" else 1)
     reply = record.node_replies[[i for i, e in enumerate(record.node_replies)
-                                 if e.label == at and e.stage == stage][0]].replies[3]
+                                 if e.label == at and e.stage == stage][0]].replies[chosen[0]]
     assert isinstance(reply, Failure) and reply.detail.startswith("RoundRefused")
     assert why in reply.detail
 
