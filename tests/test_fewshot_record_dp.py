@@ -103,9 +103,9 @@ def test_a_dp_sgd_step_adds_each_tasks_own_noise_and_one_record_moves_it_by_the_
     start = torch.from_numpy(spec.initial(0)).float()
     ids = np.array([4, 1, 7])
     lr, clip, std = 0.5, 1.0, 3.0
-    noisy, _ = rd.dp_sgd_updates(spec, start, x, y, 1, lr, clip, std,
+    noisy = rd.dp_sgd_updates(spec, start, x, y, 1, lr, clip, std,
                                  rp.task_generators(c, 2, ids))
-    exact, _ = rd.dp_sgd_updates(spec, start, x, y, 1, lr, clip, 0.0,
+    exact = rd.dp_sgd_updates(spec, start, x, y, 1, lr, clip, 0.0,
                                  rp.task_generators(c, 2, ids))
     noise = (noisy - exact) * ROWS / lr  # the step subtracts lr (sum + noise) / r
     assert abs(float(noise.std()) / std - 1) < 0.02  # ~1,000 draws a task
@@ -119,7 +119,7 @@ def test_a_dp_sgd_step_adds_each_tasks_own_noise_and_one_record_moves_it_by_the_
     # most lr * 2 clip / r, whatever the record holds
     x2, y2 = x.clone(), y.clone()
     x2[0, 0], y2[0, 0] = 1e30, (y[0, 0] + 1) % WAYS
-    other_data, _ = rd.dp_sgd_updates(spec, start, x2, y2, 1, lr, clip, std,
+    other_data = rd.dp_sgd_updates(spec, start, x2, y2, 1, lr, clip, std,
                                       rp.task_generators(c, 2, ids))
     gap = (other_data - noisy).norm(dim=1)
     assert float(gap[0]) <= lr * 2 * clip / ROWS * (1 + 1e-4)
@@ -219,7 +219,9 @@ def test_user_step_noises_with_the_calibrated_std(monkeypatch):
     assert isinstance(step, Step) and step.parts[0].clip_norm == math.inf
     arrays = algo.broadcast(step)
     ids = np.arange(20)
-    noisy = rp.FewShotDPReptile.user_step(config, step, arrays, ids).totals["grads"]
+    contribution = rp.FewShotDPReptile.user_step(config, step, arrays, ids)
+    assert contribution.num_clipped == 0  # a count of records' values is never sent
+    noisy = contribution.totals["grads"]
     std = rp.step_noise_std(config)
     assert std == pytest.approx(2 * config.clip_norm * rp.step_multiplier(config))
     monkeypatch.setattr(rp, "step_noise_std", lambda _config: 0.0)

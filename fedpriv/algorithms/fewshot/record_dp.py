@@ -115,18 +115,17 @@ def clipped_record_sums(spec: ModelSpec, params: torch.Tensor, x: torch.Tensor,
 
 def dp_sgd_updates(spec: ModelSpec, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                    steps: int, lr: float, clip: float, noise_std: float,
-                   generators: list[torch.Generator]) -> tuple[torch.Tensor, int]:
+                   generators: list[torch.Generator]) -> torch.Tensor:
     """Each task's ``steps`` full-batch DP-SGD steps from ``start`` (P,): ``theta <- theta -
     lr (sum of clipped record gradients + N(0, noise_std^2 I)) / r`` with r the task's
     (public) number of records, the noise of task i from ``generators[i]`` (CPU). Returns
-    ``start - theta`` per task (n, P) float64 (the direction a Reptile step moves against) and
-    how many tasks had a record scaled down."""
+    ``start - theta`` per task (n, P) float64 (the direction a Reptile step moves against).
+    How many records were clipped is not returned: a count of records' values would reach the
+    server outside the accounted noise."""
     n, r = y.shape
     params = start.to(torch.float32).expand(n, -1).clone()
-    scaled = torch.zeros(n, dtype=torch.bool, device=x.device)
     for _ in range(steps):
-        sums, factors = clipped_record_sums(spec, params, x, y, clip)
-        scaled |= (factors < 1).any(1)
+        sums, _ = clipped_record_sums(spec, params, x, y, clip)
         noise = torch.stack([torch.randn(params.shape[1], generator=g) for g in generators])
         params = params - (lr / r) * (sums + noise_std * noise.to(params.device))
-    return (start.double() - params.double()), int(scaled.sum())
+    return start.double() - params.double()

@@ -141,18 +141,17 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
         start = models_of(arrays, problem)[0]
         std = step_noise_std(config)
         total = torch.zeros(problem.spec.size, dtype=torch.float64, device=problem.device)
-        scaled = 0
         size = chunk_reptile(config, problem)
         for at in range(0, len(user_ids), size):
             ids = user_ids[at:at + size]
             block = task_block(config, problem, "train", ids)
-            updates, hit = dp_sgd_updates(
+            updates = dp_sgd_updates(
                 problem.spec, start, block.x, torch.cat([block.ys, block.yq], 1),
                 config.inner_steps, config.inner_lr, config.clip_norm, std,
                 task_generators(config, step.index, ids))
             total += updates.sum(0)
-            scaled += hit
-        return UserContribution({"grads": total.cpu().numpy()[None]}, len(user_ids), scaled)
+        # no clipped count: it is a function of the records, outside the accounted noise
+        return UserContribution({"grads": total.cpu().numpy()[None]}, len(user_ids), 0)
 
     def record_level_privacy(self) -> dict[str, Any]:
         c = self.config
@@ -174,7 +173,9 @@ class FewShotDPReptile(SampledRounds[FewShotReptileConfig], FewShotBase[FewShotR
                 "trust": {"noise": "added by each node to each task's sum of clipped record "
                                    "gradients (torch float Gaussian, seeded per task and round)",
                           "server": "adds no noise; receives each node's sum of its tasks' "
-                                    "noised updates and exact task counts",
+                                    "noised updates, task counts (public: the seeded sample) "
+                                    "and the exact final metrics of the fresh tasks "
+                                    "(not accounted)",
                           "hostile nodes": "unbounded: a task's update has no task-level clip",
                           "protects": "one record (a task's row); not a task's whole data; "
                                       "an image several tasks draw from the shared pool is "
