@@ -6,6 +6,7 @@ other layers takes).
 
     python benchmarks/bench_fewshot_round.py                       # Fashion-MNIST, 10,000 tasks
     python benchmarks/bench_fewshot_round.py --tasks 2000 --source digits --hidden 16
+    python benchmarks/bench_fewshot_round.py --paths ghost --malloc system   # glibc's defaults
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 
 import torch
 
+from fedpriv import allocator
 from fedpriv.algorithms.fewshot import fewshot_math as fm
 from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
@@ -28,13 +30,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--paths", default="ghost,per-task")
+    p.add_argument("--chunk-mb", type=int, default=0, help="0: the default")
+    p.add_argument("--malloc", choices=["fedpriv", "system"], default="fedpriv",
+                   help="fedpriv: the malloc settings of fedpriv's own processes (the fedpriv "
+                        "command calls fedpriv.allocator.tune()); system: glibc's defaults")
     a = p.parse_args()
+    tuned = a.malloc == "fedpriv" and allocator.tune()
     config = parse_config({
         "algorithm": "fewshot-meta-nsgd", "task-source": a.source, "num-users": a.tasks,
         "tasks-per-round": a.tasks, "rounds": a.rounds, "hidden-sizes": a.hidden,
-        "model": a.model, "epsilon": 1.0, "delta": 1e-5, "clip-norm": 1.0})
+        "model": a.model, "epsilon": 1.0, "delta": 1e-5, "clip-norm": 1.0,
+        **({"chunk-mb": a.chunk_mb} if a.chunk_mb else {})})
     print(f"{a.tasks} tasks a round, 5-way 5-shot, 15 queries ({a.tasks * 100:,} images), "
-          f"{a.model} {a.hidden}, {a.nodes} node(s), torch threads {torch.get_num_threads()}")
+          f"{a.model} {a.hidden}, {a.nodes} node(s), torch threads {torch.get_num_threads()}, "
+          f"allocator {'tuned' if tuned else 'system'}")
     print(f"{'path':10s} {'s/round (each)':>28s} {'tasks/s':>9s}")
     ghost = fm.ghost_gradient_sum
     for path in a.paths.split(","):

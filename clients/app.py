@@ -18,6 +18,7 @@ from flwr.app.typing import MetricRecordValues
 from flwr.clientapp import ClientApp
 
 from clients.records import from_records, load_state, save_state, to_records
+from fedpriv import allocator
 from fedpriv import protocol as P
 from fedpriv.algorithms.base import Step, UserContribution
 from fedpriv.algorithms.deep.params import FILE_SOURCES
@@ -29,6 +30,7 @@ from fedpriv.nodes import node_step
 from fedpriv.secagg import node as secure
 
 app = ClientApp()
+allocator.tune()  # a node's steps reuse their pages (fedpriv.allocator)
 
 
 def _partition(context: Context) -> tuple[int, int]:

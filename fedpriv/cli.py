@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedpriv import allocator
 from fedpriv.config import ConfigError
 from fedpriv.config_files import load_run_config, parse_overrides
 from fedpriv.configure import parse_config
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedpriv.stopping import Interrupted, RunGuard
 
     start_clock(from_process_start=argv is None)
+    allocator.tune()  # keep freed memory: a compute step reuses its pages (fedpriv.allocator)
     args = build_parser().parse_args(argv)
     if args.command not in GUARDED and getattr(args, "deploy_command", None) not in GUARDED:
         return int(args.func(args))

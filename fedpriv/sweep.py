@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedpriv import allocator
 from fedpriv.config import ConfigError, RunConfig, default_mapping
 from fedpriv.config_files import toml_error
 from fedpriv.configure import algorithm_params, declared_keys, parse_config, select_keys
@@ -398,11 +399,10 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
     return summarize(spec, results)
 
 
-# glibc malloc for the workers: keep freed memory (up to 32 MiB blocks) instead of handing it
-# back and faulting it in again on every vectorized step, which slows runs side by side
-# (docs/measurements.md). A variable already set in the environment wins.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
-              "MALLOC_TOP_PAD_": str(512 * 2**20)}
+# glibc malloc for the workers (fedpriv.allocator): keep freed memory instead of handing it
+# back and faulting it in again on every vectorized step. A variable already set in the
+# environment wins.
+MALLOC_ENV = allocator.ENV
 
 
 def _clock(seconds: float) -> str:

@@ -8,6 +8,7 @@ import time
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedpriv import allocator
 from fedpriv.checkpoint import checkpoint_path
 from fedpriv.configure import parse_config
 from fedpriv.cost import check_size
@@ -18,6 +19,7 @@ from strategies.private import PrivateStrategy, discover_partitions
 from strategies.sim_dispatch import index_dispatch
 
 app = ServerApp()
+allocator.tune()  # the server's steps reuse their pages (fedpriv.allocator)
 
 
 @app.main()

@@ -12,6 +12,7 @@ from scipy.stats import norm
 
 from fedpriv.algorithms.base import Part, Step
 from fedpriv.algorithms.deep import deep_math as dm
+from fedpriv.algorithms.deep import ghost_clipping as gc
 from fedpriv.algorithms.deep.deep_algorithm import adapted_clip, disjoint_batches
 from fedpriv.algorithms.deep.ghost_clipping import ghost_clipped_sum
 from fedpriv.algorithms.deep.problem import problem_of, user_block
@@ -54,6 +55,26 @@ def test_ghost_clipping_equals_clipping_the_per_user_updates(model, clip_at):
         assert ghost[1] == clipped == {0.0: 10, 0.5: 5}.get(clip_at, 0)
         assert np.abs(total).max() > 1e-4
         assert np.allclose(ghost[0], total, rtol=1e-5, atol=1e-7 * np.abs(total).max())
+
+
+@pytest.mark.parametrize("block_bytes", [1, 3 * 8 * (64 + 32) * 30])
+def test_ghost_clipping_block_by_block_equals_the_per_user_updates(monkeypatch, block_bytes):
+    """The Grams and the clipped sum computed a few users at a time (one user a block; three,
+    the last block short), a user with nan rows among them: the same sum as the per-user
+    updates with that user dropped."""
+    monkeypatch.setattr(gc, "BLOCK_BYTES", block_bytes)
+    spec, block, ((body, heads), _) = _fedrep_and_fedavg_inputs(
+        config(model="mlp", hidden_sizes="32,16"))
+    x = block.x.clone()
+    x[4] = float("nan")
+    with torch.enable_grad():
+        updates = dm.local_updates(spec, body, heads, x, block.y, block.mask, 1, 0.1)
+    clip = float(np.nanmedian(torch.linalg.vector_norm(updates, dim=1).numpy()))
+    total, clipped = dm.clipped_sum(updates, clip)
+    ghost = ghost_clipped_sum(spec, body, heads, x, block.y, block.mask, 0.1, clip)
+    assert ghost is not None and ghost[1] == clipped >= 4
+    assert np.isfinite(ghost[0]).all() and np.abs(total).max() > 1e-4
+    assert np.allclose(ghost[0], total, rtol=1e-5, atol=1e-7 * np.abs(total).max())
 
 
 def no_bias_tanh(shape, classes):

@@ -106,6 +106,21 @@ def conv_user_gradients(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
     return torch.cat(parts, 1)
 
 
+BLOCK_BYTES = 2**23  # the float64 copies of one block of users (``_blocks``)
+
+
+def _blocks(n: int, r: int, width: int) -> list[slice]:
+    """Consecutive blocks of the n users (r rows each) whose float64 copies of a layer's input
+    and output gradient (``width`` floats a row) take about ``BLOCK_BYTES``, a size that stays
+    in cache: the Grams and the clipped sum are computed block by block from the float32
+    tensors, so the chunk's float64 copies never go out to memory (a 160-task chunk of 100
+    rows, 784 inputs, 2 cores: the weight product with its float64 copy 66 -> 44 ms; 4-16 MB
+    blocks measured alike, 32 MB and more slower). Every sum is accumulated in float64 as
+    before, block after block."""
+    size = max(1, BLOCK_BYTES // (8 * width * r))
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
 def layer_norm_terms(a64: torch.Tensor, g64: torch.Tensor,
                      bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per user, the squared Frobenius norm of one ``nn.Linear`` layer's gradient
@@ -197,7 +212,7 @@ def ghost_gradient_sum(spec: ModelSpec, start: torch.Tensor,
     device = start.device
     sq = torch.zeros(n, dtype=torch.float64, device=device)
     slack = torch.zeros_like(sq)
-    layers: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    layers: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (owner, a, g): (n, r, d)
     formed: list[tuple[str, nn.Conv2d, torch.Tensor]] = []  # conv layers: per-user gradients
     for owner, g in zip(owners, grads, strict=True):
         a = seen[owner][0][0].detach()
@@ -210,28 +225,36 @@ def ghost_gradient_sum(spec: ModelSpec, start: torch.Tensor,
             slack += user_grads.shape[1] * layer_sq
             formed.append((owner, module, user_grads))
             continue
-        a64, g64 = a.reshape(n, r, -1).double(), g.reshape(n, r, -1).double()
-        layer_sq, layer_slack = layer_norm_terms(a64, g64, module.bias is not None)
-        sq += layer_sq
-        slack += layer_slack
-        layers.append((owner, a64.reshape(n * r, -1), g64.reshape(n * r, -1)))
+        a3, g3 = a.reshape(n, r, -1), g.reshape(n, r, -1)
+        for users in _blocks(n, r, a3.shape[2] + g3.shape[2]):
+            layer_sq, layer_slack = layer_norm_terms(
+                a3[users].double(), g3[users].double(), module.bias is not None)
+            sq[users] += layer_sq
+            slack[users] += layer_slack
+        layers.append((owner, a3, g3))
     norms = lr * bounded_norms(sq, slack)
     factors = factors_from_norms(norms.cpu().numpy(), clip)  # 0: a non-finite norm (isolated)
     user_weights = torch.from_numpy(-lr * factors).to(device)
-    weights = user_weights.repeat_interleave(r)[:, None]
     dropped = torch.from_numpy(factors == 0).to(device)
     if bool(dropped.any()):  # a dropped user's rows become zeros: 0 * nan would poison the sum
-        rows_dropped = dropped.repeat_interleave(r)[:, None]
-        layers = [(o, a64.masked_fill(rows_dropped, 0.0), g64.masked_fill(rows_dropped, 0.0))
-                  for o, a64, g64 in layers]
         formed = [(o, m, u.masked_fill(dropped[:, None], 0.0)) for o, m, u in formed]
     names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
-    for owner, a64, g64 in layers:
-        scaled = g64.mul_(weights)  # (n r, out): each row weighted by its user's factor
-        total[f"{owner}.weight"] = scaled.T @ a64
+    for owner, a3, g3 in layers:
+        weight = torch.zeros(g3.shape[2], a3.shape[2], dtype=torch.float64, device=device)
+        bias = torch.zeros(g3.shape[2], dtype=torch.float64, device=device)
+        for users in _blocks(n, r, a3.shape[2] + g3.shape[2]):
+            a64, g64 = a3[users].double(), g3[users].double()
+            if bool(dropped[users].any()):
+                a64 = a64.masked_fill(dropped[users, None, None], 0.0)
+                g64 = g64.masked_fill(dropped[users, None, None], 0.0)
+            # each row weighted by its user's factor, then summed over the block's rows
+            scaled = g64.mul_(user_weights[users, None, None]).reshape(-1, g3.shape[2])
+            weight.addmm_(scaled.T, a64.reshape(-1, a3.shape[2]))
+            bias += scaled.sum(0)
+        total[f"{owner}.weight"] = weight
         if f"{owner}.bias" in names:
-            total[f"{owner}.bias"] = scaled.sum(0)
+            total[f"{owner}.bias"] = bias
     for owner, conv, user_grads in formed:
         summed = user_weights @ user_grads  # weight entries, then bias
         size = conv.weight.numel()

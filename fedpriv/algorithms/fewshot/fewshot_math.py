@@ -69,8 +69,10 @@ def task_losses(spec: ModelSpec, body: torch.Tensor, x: torch.Tensor, ys: torch.
     the body over every row of the chunk (each row embedded alone)."""
     n, support = ys.shape
     feats = dm.features(spec, body, x.reshape(-1, *spec.input_shape)).reshape(n, x.shape[1], -1)
-    logits = adapted_logits(feats[:, :support], ys, feats[:, support:], ways, steps, lr,
-                            first_order)
+    # split, not two slices: its backward joins the two gradients in one copy (two slices'
+    # backward would fill two zero tensors of the chunk's size and add them)
+    fs, fq = torch.split(feats, [support, x.shape[1] - support], 1)
+    logits = adapted_logits(fs, ys, fq, ways, steps, lr, first_order)
     return F.cross_entropy(logits.transpose(1, 2), yq, reduction="none").mean(1)
 
 

@@ -1,0 +1,59 @@
+"""glibc malloc settings for fedpriv's compute processes: keep freed memory.
+
+A step of the deep and few-shot families allocates and frees the same large tensors chunk
+after chunk (rows, activations, their gradients, float64 blocks). By default glibc serves a
+block above its mmap threshold (128 KiB, raised on the fly up to 32 MiB) with a fresh ``mmap``
+and hands free memory at the top of its heap back to the system beyond twice that, so each
+chunk's tensors land on pages the kernel faults in and zeroes again. With the threshold fixed
+at its 64-bit maximum (32 MiB), freed memory kept (trim threshold) and the heap grown in large
+steps (top pad), a chunk reuses the pages of the one before; blocks above 32 MiB are still
+mapped and unmapped. The cost: a process keeps its peak memory until it exits. Measured in
+docs/measurements.md ("glibc malloc settings of fedpriv's processes"); how to change it:
+docs/reference/environment.md ("Malloc settings").
+
+``tune()`` applies them with ``mallopt`` in a running process; it is called by the processes
+fedpriv starts or owns (the ``fedpriv`` command, the Flower app's ServerApp and ClientApp),
+and ``ENV`` passes the same settings to a process about to start (sweep workers). A program
+that imports fedpriv as a library keeps its allocator unless it calls ``tune()``. Nothing
+changes where the environment holds any ``MALLOC_*`` variable (the user's own settings, which
+glibc applies), with ``FEDPRIV_MALLOC=system``, or where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+# (environment variable, mallopt parameter of malloc.h, value)
+SETTINGS = (("MALLOC_MMAP_THRESHOLD_", -3, 32 * 2**20),  # M_MMAP_THRESHOLD: its 64-bit maximum
+            ("MALLOC_TRIM_THRESHOLD_", -1, 16 * 2**30),  # M_TRIM_THRESHOLD: keep freed memory
+            ("MALLOC_TOP_PAD_", -2, 512 * 2**20))  # M_TOP_PAD: grow the heap in large steps
+ENV = {name: str(value) for name, _, value in SETTINGS}
+_INT_MAX = 2**31 - 1  # mallopt takes an int: a larger value is set to this
+
+_state: list[tuple[str, ...]] = []
+
+
+def tune() -> tuple[str, ...]:
+    """Apply ``SETTINGS`` in this process, once (module docstring); the names of the
+    variables whose settings are in force through this call (empty where nothing changed)."""
+    if not _state:
+        _state.append(_apply())
+    return _state[0]
+
+
+def _apply() -> tuple[str, ...]:
+    if os.environ.get("FEDPRIV_MALLOC", "") == "system" or any(
+            name.startswith("MALLOC_") for name in os.environ):
+        return ()
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return ()
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return ()
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return tuple(name for name, parameter, value in SETTINGS
+                 if mallopt(parameter, min(value, _INT_MAX)) == 1)
