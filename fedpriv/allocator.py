@@ -15,8 +15,9 @@ docs/reference/environment.md ("Malloc settings").
 fedpriv starts or owns (the ``fedpriv`` command, the Flower app's ServerApp and ClientApp),
 and ``ENV`` passes the same settings to a process about to start (sweep workers). A program
 that imports fedpriv as a library keeps its allocator unless it calls ``tune()``. Nothing
-changes where the environment holds any ``MALLOC_*`` variable (the user's own settings, which
-glibc applies), with ``FEDPRIV_MALLOC=system``, or where the C library is not glibc.
+changes (``wanted``) where the environment holds the user's own malloc settings (any
+``MALLOC_*`` variable, ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``: glibc applies those),
+with ``FEDPRIV_MALLOC=system``, or where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from collections.abc import Mapping
 
 # (environment variable, mallopt parameter of malloc.h, value)
 SETTINGS = (("MALLOC_MMAP_THRESHOLD_", -3, 32 * 2**20),  # M_MMAP_THRESHOLD: its 64-bit maximum
-            ("MALLOC_TRIM_THRESHOLD_", -1, 16 * 2**30),  # M_TRIM_THRESHOLD: keep freed memory
+            ("MALLOC_TRIM_THRESHOLD_", -1, 2**31 - 1),  # M_TRIM_THRESHOLD: keep freed memory
             ("MALLOC_TOP_PAD_", -2, 512 * 2**20))  # M_TOP_PAD: grow the heap in large steps
 ENV = {name: str(value) for name, _, value in SETTINGS}
-_INT_MAX = 2**31 - 1  # mallopt takes an int: a larger value is set to this
 
 _state: list[tuple[str, ...]] = []
 
@@ -43,11 +44,19 @@ def tune() -> tuple[str, ...]:
     return _state[0]
 
 
+def wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether fedpriv's settings apply under ``environ`` (default: this process's): glibc,
+    no ``FEDPRIV_MALLOC=system``, and none of the user's own malloc settings (a ``MALLOC_*``
+    variable, or ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``)."""
+    env = os.environ if environ is None else environ
+    if env.get("FEDPRIV_MALLOC", "") == "system" or "glibc.malloc." in env.get(
+            "GLIBC_TUNABLES", "") or any(name.startswith("MALLOC_") for name in env):
+        return False
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def _apply() -> tuple[str, ...]:
-    if os.environ.get("FEDPRIV_MALLOC", "") == "system" or any(
-            name.startswith("MALLOC_") for name in os.environ):
-        return ()
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not wanted():
         return ()
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -55,5 +64,4 @@ def _apply() -> tuple[str, ...]:
         return ()
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return tuple(name for name, parameter, value in SETTINGS
-                 if mallopt(parameter, min(value, _INT_MAX)) == 1)
+    return tuple(name for name, parameter, value in SETTINGS if mallopt(parameter, value) == 1)

@@ -373,8 +373,8 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         # one BLAS thread per worker: the workers already use every core
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, "1")
-        for var, value in MALLOC_ENV.items():  # read by glibc as each worker starts
-            os.environ.setdefault(var, value)
+        if allocator.wanted():  # read by glibc as each worker starts
+            os.environ.update(MALLOC_ENV)
         import multiprocessing
 
         with ProcessPoolExecutor(max_workers=jobs, initializer=signal.signal,

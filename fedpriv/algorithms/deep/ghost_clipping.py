@@ -245,11 +245,12 @@ def ghost_gradient_sum(spec: ModelSpec, start: torch.Tensor,
         bias = torch.zeros(g3.shape[2], dtype=torch.float64, device=device)
         for users in _blocks(n, r, a3.shape[2] + g3.shape[2]):
             a64, g64 = a3[users].double(), g3[users].double()
-            if bool(dropped[users].any()):
+            if factors[users].min() == 0:  # checked on the host: no device sync a block
                 a64 = a64.masked_fill(dropped[users, None, None], 0.0)
                 g64 = g64.masked_fill(dropped[users, None, None], 0.0)
-            # each row weighted by its user's factor, then summed over the block's rows
-            scaled = g64.mul_(user_weights[users, None, None]).reshape(-1, g3.shape[2])
+            # each row weighted by its user's factor (out of place: a float64 g would be the
+            # autograd gradient itself, which two layers may share), summed over the rows
+            scaled = (g64 * user_weights[users, None, None]).reshape(-1, g3.shape[2])
             weight.addmm_(scaled.T, a64.reshape(-1, a3.shape[2]))
             bias += scaled.sum(0)
         total[f"{owner}.weight"] = weight
