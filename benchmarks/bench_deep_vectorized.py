@@ -27,7 +27,7 @@ machine.
 
 glibc's allocator settings move the per-user loop (its many small allocations) more than the
 vectorized path, so by default the table is printed twice: with glibc's defaults and with the
-sweep workers' malloc settings (``fedpriv.sweep.MALLOC_ENV``), each in a fresh process (glibc
+sweep workers' malloc settings (``fedpriv.allocator.ENV``), each in a fresh process (glibc
 reads them at start-up).
 """
 
@@ -47,9 +47,9 @@ from torch.func import functional_call
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
 from fedpriv.algorithms.deep.problem import problem_of, user_block
+from fedpriv.allocator import ENV as MALLOC_ENV
 from fedpriv.configure import parse_config
 from fedpriv.registry import get_algorithm
-from fedpriv.sweep import MALLOC_ENV
 
 
 def loop_round(cfg, problem, model, block, first, second, trains):

@@ -23,6 +23,7 @@ with ``FEDPRIV_MALLOC=system``, or where the C library is not glibc.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from collections.abc import Mapping
@@ -33,15 +34,19 @@ SETTINGS = (("MALLOC_MMAP_THRESHOLD_", -3, 32 * 2**20),  # M_MMAP_THRESHOLD: its
             ("MALLOC_TOP_PAD_", -2, 512 * 2**20))  # M_TOP_PAD: grow the heap in large steps
 ENV = {name: str(value) for name, _, value in SETTINGS}
 
-_state: list[tuple[str, ...]] = []
-
-
+@functools.cache
 def tune() -> tuple[str, ...]:
     """Apply ``SETTINGS`` in this process, once (module docstring); the names of the
     variables whose settings are in force through this call (empty where nothing changed)."""
-    if not _state:
-        _state.append(_apply())
-    return _state[0]
+    if not wanted():
+        return ()
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return ()
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return tuple(name for name, parameter, value in SETTINGS if mallopt(parameter, value) == 1)
 
 
 def wanted(environ: Mapping[str, str] | None = None) -> bool:
@@ -54,14 +59,3 @@ def wanted(environ: Mapping[str, str] | None = None) -> bool:
         return False
     return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-
-def _apply() -> tuple[str, ...]:
-    if not wanted():
-        return ()
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return ()
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return tuple(name for name, parameter, value in SETTINGS if mallopt(parameter, value) == 1)

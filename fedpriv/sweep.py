@@ -373,8 +373,8 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
         # one BLAS thread per worker: the workers already use every core
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, "1")
-        if allocator.wanted():  # read by glibc as each worker starts
-            os.environ.update(MALLOC_ENV)
+        if allocator.wanted():  # fedpriv.allocator's settings, read by glibc as a worker starts
+            os.environ.update(allocator.ENV)
         import multiprocessing
 
         with ProcessPoolExecutor(max_workers=jobs, initializer=signal.signal,
@@ -397,12 +397,6 @@ def run_sweep(spec: SweepSpec, out: Path, jobs: int = 1, engine: str = "inproces
                 raise
     log(f"fedpriv sweep {spec.name}: finished in {_clock(time.perf_counter() - started)}")
     return summarize(spec, results)
-
-
-# glibc malloc for the workers (fedpriv.allocator): keep freed memory instead of handing it
-# back and faulting it in again on every vectorized step. A variable already set in the
-# environment wins.
-MALLOC_ENV = allocator.ENV
 
 
 def _clock(seconds: float) -> str:

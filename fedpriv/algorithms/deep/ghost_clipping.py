@@ -236,11 +236,13 @@ def ghost_gradient_sum(spec: ModelSpec, start: torch.Tensor,
     factors = factors_from_norms(norms.cpu().numpy(), clip)  # 0: a non-finite norm (isolated)
     user_weights = torch.from_numpy(-lr * factors).to(device)
     dropped = torch.from_numpy(factors == 0).to(device)
-    if bool(dropped.any()):  # a dropped user's rows become zeros: 0 * nan would poison the sum
+    if factors.min(initial=1.0) == 0:  # a dropped user's rows become zeros: 0 * nan would
+        # poison the sum (checked on the host: no device sync)
         formed = [(o, m, u.masked_fill(dropped[:, None], 0.0)) for o, m, u in formed]
     names = spec.names[:spec.num_body] if body_only else spec.names
     total = {}
     for owner, a3, g3 in layers:
+        trained_bias = f"{owner}.bias" in names
         weight = torch.zeros(g3.shape[2], a3.shape[2], dtype=torch.float64, device=device)
         bias = torch.zeros(g3.shape[2], dtype=torch.float64, device=device)
         for users in _blocks(n, r, a3.shape[2] + g3.shape[2]):
@@ -252,9 +254,10 @@ def ghost_gradient_sum(spec: ModelSpec, start: torch.Tensor,
             # autograd gradient itself, which two layers may share), summed over the rows
             scaled = (g64 * user_weights[users, None, None]).reshape(-1, g3.shape[2])
             weight.addmm_(scaled.T, a64.reshape(-1, a3.shape[2]))
-            bias += scaled.sum(0)
+            if trained_bias:
+                bias += scaled.sum(0)
         total[f"{owner}.weight"] = weight
-        if f"{owner}.bias" in names:
+        if trained_bias:
             total[f"{owner}.bias"] = bias
     for owner, conv, user_grads in formed:
         summed = user_weights @ user_grads  # weight entries, then bias
