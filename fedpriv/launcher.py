@@ -214,7 +214,11 @@ class FlowerSession:
         if link is None or self.ray_address is None or self._tmp is None or link.named:
             raise RuntimeError("start_superlink needs an entered session of its own (not a "
                                "SuperLink named with FLWR_LOCAL_SUPERLINK_HTTP_API_PORT)")
-        if link.running():
+        for _ in range(3):  # ports chosen at enter; Ray's head opens many since: choose again
+            if not link.running():
+                break
+            link = self.link = LocalSuperLink.choose(self._tmp)
+        else:
             raise RuntimeError(f"the session's SuperLink port {link.port} was taken meanwhile")
         env = actor_env(link.env({**os.environ, **driver_env(self.ray_address),
                                   NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}),
