@@ -325,7 +325,7 @@ def test_the_benchmark_ceiling_is_the_mean_of_the_users_gradients():
     bench = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench)
     cfg = parse_config({"algorithm": "deep-dp-fedavg", "dataset": "digits",
-                                  "num-users": 100}, strict=True)
+                        "num-users": 100, "body-steps": 1}, strict=True)  # one step: -lr grad
     problem = problem_of(cfg)
     model = torch.from_numpy(problem.spec.initial(0))
     ids = np.arange(6)

@@ -302,14 +302,17 @@ def test_discrete_noise_holds_its_bound_whatever_one_users_data(mode, change):
     assert {"private-fedrep", "priv-altmin", "dp-global-model"} <= set(checked)
 
 
-@pytest.mark.parametrize("algorithm", ["deep-private-fedrep", "deep-dp-fedavg",
-                                       "deep-dp-fedavg-ft"])
+@pytest.mark.parametrize("algorithm,keys", [
+    ("deep-private-fedrep", {}),  # ghost clipping of the body
+    ("deep-dp-fedavg", {}),  # its default: 5 local steps, per-user updates (torch.func)
+    ("deep-dp-fedavg-ft", {"body-steps": 1}),  # ghost clipping of the whole model
+], ids=["deep-private-fedrep", "deep-dp-fedavg", "deep-dp-fedavg-ft-one-step"])
 @pytest.mark.parametrize("change", [HUGE, NAN, ZERO], ids=lambda c: c[1])
-def test_deep_algorithms_on_digits_hold_their_bound(algorithm, change):
+def test_deep_algorithms_on_digits_hold_their_bound(algorithm, keys, change):
     """A built-in dataset: one partition user's pixel values replaced (the labels stay: the
     label-skew partition is a function of every row's label and is public)."""
     config = parse_config({**PRIVATE["deep-private-fedrep"], "algorithm": algorithm,
-                                     "clip-quantile": 0.0})
+                           "clip-quantile": 0.0, **keys})
     fn, name = change
     checks = check_neighbour(config, neighbour(name, config, builtin_rows(config, 11, fn)),
                              num_partitions=3, dtype="float32")
@@ -503,8 +506,8 @@ FULL_GRID = pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["deep-private-fedrep", "deep-dp-fedavg",
                                        "deep-dp-fedavg-ft"])
 @pytest.mark.parametrize("fmt", ["csv", "npz", "parquet"])
-@pytest.mark.parametrize("keys", [{}, {"body-steps": 2}, {"users-per-round": 12,
-                                                         "clip-quantile": 0.5}],
+@pytest.mark.parametrize("keys", [{"body-steps": 1}, {"body-steps": 2},
+                                  {"users-per-round": 12, "clip-quantile": 0.5}],
                          ids=["ghost", "per-user", "poisson-adaptive"])
 def test_the_full_grid_of_file_neighbours(tmp_path, algorithm, fmt, keys):
     pytest.importorskip("pyarrow")

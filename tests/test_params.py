@@ -266,6 +266,16 @@ def test_per_algorithm_keys_resolve_to_each_algorithms_own_default():
                                       ).rounds == rounds
     assert parse_config({"algorithm": "deep-fedrep", "num-users": 200}).rounds == 40
     assert deep.to_mapping()["rounds"] == 10  # the results file holds what ran
+    # the local steps: DP-FedAvg's own (5 of 0.05), everyone else's the fallback (1 of 0.1)
+    assert (deep.body_steps, deep.local_lr) == (5, 0.05)
+    assert deep.to_mapping()["body-steps"] == 5 and deep.to_mapping()["local-lr"] == 0.05
+    for name in ("deep-private-fedrep", "deep-fedrep", "deep-fedavg-ft"):
+        other = parse_config({"algorithm": name, "num-users": 200})
+        assert (other.body_steps, other.local_lr) == (1, 0.1), name
+    assert parse_config({"algorithm": "deep-local-only", "num-users": 200}).local_lr == 0.1
+    one = parse_config({"algorithm": "deep-dp-fedavg", "num-users": 200, "body-steps": 1,
+                        "local-lr": 0.1})
+    assert (one.body_steps, one.local_lr) == (1, 0.1)
 
 
 def test_every_builtin_default_is_a_working_value():

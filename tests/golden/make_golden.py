@@ -51,6 +51,10 @@ EXTRA = {  # paths the defaults do not take
                                          "body-steps": 2, "clip-quantile": 0.0},
     "deep-dp-fedavg-ft+sampled": {"algorithm": "deep-dp-fedavg-ft", "users-per-round": 30,
                                   "eval-every": 1},
+    # one local step (the default before 2026-11-28: 5 steps of 0.05): ghost clipping of the
+    # whole model
+    "deep-dp-fedavg-ft+one-step": {"algorithm": "deep-dp-fedavg-ft", "body-steps": 1,
+                                   "local-lr": 0.1},
     "meta-nsgd+replace-one": {"algorithm": "meta-nsgd", "neighbouring-relation": "replace-one"},
     "fewshot-meta-nsgd+protomaml": {"algorithm": "fewshot-meta-nsgd", "adapt-steps": 2,
                                     "meta-gradient": "first-order"},

@@ -20,7 +20,7 @@ from fedpriv.algorithms.deep.batches import LocalProblem, take_rows
 from fedpriv.algorithms.deep.deep_algorithm import DeepAlgorithm
 from fedpriv.algorithms.deep.ghost_clipping import ghost_layers
 from fedpriv.algorithms.deep.models import ModelSpec
-from fedpriv.algorithms.deep.params import FEDAVG_FT_DEFAULTS, DeepConfig
+from fedpriv.algorithms.deep.params import DP_FEDAVG_DEFAULTS, FEDAVG_FT_DEFAULTS, DeepConfig
 from fedpriv.algorithms.deep.problem import DeepProblem, UserBlock
 
 
@@ -32,6 +32,7 @@ class DeepDPFedAvg(DeepAlgorithm):
     summary = "DP-FedAvg: one global torch model for every user (baseline)"
     released_part = "model"
     head_from = "none"
+    defaults = DP_FEDAVG_DEFAULTS
 
     @classmethod
     def released_size(cls, spec: ModelSpec) -> int:

@@ -184,11 +184,14 @@ class LocalKeys(RunConfig):
         "scores a row it was fitted on; k head fits a round). Methods without per-round "
         "head fits ignore it", lambda k: k == 0 or k >= 2, "0 or an integer >= 2"))
     body_steps: int = key(Param(
-        "body-steps", int, 1, "local steps of a user's body (or model) update per round on "
-        "its second batch", positive, "an integer >= 1"))
+        "body-steps", int, 0, "local gradient steps of a user's body (or model) update per "
+        "round (FedRep: on its second batch or its folds; DP-FedAvg: on both batches); `0` = "
+        "the algorithm's default", non_negative, "an integer >= 1 (0: the algorithm's "
+        "default)", fallback=1))
     local_lr: float = key(Param(
-        "local-lr", float, 0.1, "step size of the users' local body (or model) steps",
-        positive, "a number > 0"))
+        "local-lr", float, 0.0, "step size of the users' local body (or model) steps; `0` = "
+        "the algorithm's default", non_negative, "a number > 0 (0: the algorithm's default)",
+        fallback=0.1))
     final_head_steps: int = key(Param(
         "final-head-steps", int, 100, "gradient steps of each user's final head fit on all "
         "its training rows (FedRep and the -ft baselines); local-only: steps of training "
@@ -290,5 +293,10 @@ def auto_head_steps(batch_size: int) -> int:
     return min(MAX_HEAD_STEPS, HEAD_STEPS_PER_ROW * batch_size)
 
 
+# DP-FedAvg's users take 5 local steps of 0.05 on the whole model: chosen on seed 100
+# (Fashion-MNIST label skew, n = 2,000, epsilon 1: 0.855 against 0.844 with one step of 0.1),
+# at about 5 times the rounds' time (no ghost clipping); docs: defaults
+DP_FEDAVG_DEFAULTS: Mapping[str, Any] = {**PRIVATE_DEFAULTS, "body-steps": 5,
+                                         "local-lr": 0.05}
 FEDREP_DEFAULTS: Mapping[str, Any] = {"rounds": 40, "learning-rate": 2.0}  # deep-fedrep
 FEDAVG_FT_DEFAULTS: Mapping[str, Any] = {"rounds": 40, "learning-rate": 1.0}  # deep-fedavg-ft

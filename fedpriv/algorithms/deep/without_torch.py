@@ -14,6 +14,7 @@ from typing import Any
 
 from fedpriv.algorithms.base import Algorithm
 from fedpriv.algorithms.deep.params import (
+    DP_FEDAVG_DEFAULTS,
     FEDAVG_FT_DEFAULTS,
     FEDREP_DEFAULTS,
     PRIVATE_DEFAULTS,
@@ -49,9 +50,9 @@ DEEP: tuple[tuple[str, bool, str, type[RunConfig], Mapping[str, Any], str], ...]
      "FedRep with a torch body, without noise (baseline; clipping optional)", DeepConfig,
      FEDREP_DEFAULTS, _P + "private_fedrep:DeepFedRep"),
     ("deep-dp-fedavg", True, "DP-FedAvg: one global torch model for every user (baseline)",
-     DeepConfig, PRIVATE_DEFAULTS, _P + "dp_fedavg:DeepDPFedAvg"),
+     DeepConfig, DP_FEDAVG_DEFAULTS, _P + "dp_fedavg:DeepDPFedAvg"),
     ("deep-dp-fedavg-ft", True, "DP-FedAvg, then each user fine-tunes the head locally",
-     DeepConfig, PRIVATE_DEFAULTS, _P + "dp_fedavg:DeepDPFedAvgFT"),
+     DeepConfig, DP_FEDAVG_DEFAULTS, _P + "dp_fedavg:DeepDPFedAvgFT"),
     ("deep-fedavg-ft", False,
      "FedAvg, then each user fine-tunes the head (non-private baseline)", DeepConfig,
      FEDAVG_FT_DEFAULTS, _P + "dp_fedavg:DeepFedAvgFT"),
