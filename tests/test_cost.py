@@ -209,3 +209,18 @@ def test_the_estimate_reads_no_users_data_file(tmp_path):
                  for f in (small, big)]
     assert estimates[0].memory_bytes == estimates[1].memory_bytes
     assert estimates[0].seconds == estimates[1].seconds
+
+
+def test_a_deep_runs_time_counts_its_local_steps():
+    """One local step is ghost clipping; several are per-user updates, each user-step costing
+    2 + body-steps one-step user-steps (measured: docs/defaults.md), named in the breakdown."""
+    from fedpriv import cost
+    from fedpriv.configure import parse_config
+
+    keys = {"algorithm": "deep-dp-fedavg-ft", "dataset": "fashion-mnist", "num-users": 2000}
+    default = cost.estimate(parse_config(keys))  # DP-FedAvg's default: 5 local steps
+    one = cost.estimate(parse_config({**keys, "body-steps": 1, "local-lr": 0.1}))
+    many, single = (next(t for t in est.time if t.name == "user work") for est in (default, one))
+    assert many.value == pytest.approx(7 * single.value)
+    assert "body-steps" in many.keys and "body-steps" not in single.keys
+    assert default.seconds > 200 > one.seconds

@@ -300,7 +300,8 @@ def test_figure_configs_set_the_hyperparameters_that_defaults_may_change():
     for path in _stored_sweeps():
         for run in load_sweep(path, plans=False).runs:
             cls = get_algorithm(run.algorithm)
-            tuned = set(cls.defaults) | ({"cross-fit", "head-steps", "final-choice"}
+            tuned = set(cls.defaults) | ({"cross-fit", "head-steps", "final-choice",
+                                          "body-steps", "local-lr"}  # also where they fall back
                                          & set(cls.declared_params()))
             if run.values.get("final-choice", "best") == "best":  # the choice's own rule
                 tuned |= {"choice-std-errors"} & set(cls.declared_params())

@@ -91,6 +91,8 @@ def local_updates(spec: ModelSpec, start: torch.Tensor, heads: torch.Tensor | No
     on the j-th of k equal groups of its rows (cross-fitting). ``heads = None``: ``start`` is
     the whole model (P,) and every parameter moves (n, P). x (n, r, *input), y and mask
     (n, r)."""
+    if steps < 1 or not lr > 0:  # a config that skipped parse_config (0: a placeholder)
+        raise ValueError(f"local_updates: steps {steps} and lr {lr} must be >= 1 and > 0")
     body_only = heads is not None
     n = x.shape[0]
     groups = heads.shape[1] if heads is not None and heads.dim() == 3 else 0
