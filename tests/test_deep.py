@@ -349,6 +349,20 @@ def test_the_torch_clipped_sum_bounds_every_user_like_the_numpy_one():
     assert np.linalg.norm(one) <= 0.5 * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("block", [300, 900, 1 << 19])  # one row a block, 3 rows, all at once
+def test_the_torch_clipped_sum_is_the_same_in_blocks_and_drops_a_bad_row_in_any(monkeypatch,
+                                                                                block):
+    rng = np.random.default_rng(2)
+    updates = rng.normal(size=(20, 300)) * rng.choice([1e-3, 1.0, 1e6], size=(20, 1))
+    updates[13] = np.nan  # in a later block than the first
+    monkeypatch.setattr(dm, "BLOCK_ELEMENTS", block)
+    total, clipped = dm.clipped_sum(torch.from_numpy(updates.astype(np.float32)), 0.5)
+    kept = np.delete(updates, 13, axis=0).astype(np.float32).astype(np.float64)
+    expect, expect_clipped = clipped_sum(kept, 0.5)
+    assert clipped == expect_clipped + 1  # the dropped row counts as clipped
+    np.testing.assert_allclose(total, expect, rtol=1e-12, atol=1e-12)
+
+
 # ----- runs ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", DEEP)
 def test_every_deep_algorithm_runs_and_learns(tmp_path, algorithm):
