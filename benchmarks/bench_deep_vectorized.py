@@ -16,7 +16,7 @@ formed; the cnn's conv layers' per-user gradients from one grouped convolution);
 ``vmap(grad)`` per-user updates and their clipped sum.
 
     python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]
-        [--allocator both|default|sweep]
+        [--body-steps 5] [--chunk-mb 64] [--allocator both|default|sweep]
 
 After the table, a ceiling for the whole-model algorithms: the same users' rows (both batches)
 as *one* float32 batch, one forward and one backward pass of the model to its batch-mean
@@ -95,13 +95,16 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=400, help="users timed (vectorized)")
     parser.add_argument("--loop-users", type=int, default=40, help="users timed (loop)")
     parser.add_argument("--body-steps", type=int, default=1)
+    parser.add_argument("--chunk-mb", type=float, default=None,
+                        help="memory budget of a chunk of users (default: the key's default)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings")
     parser.add_argument("--allocator", choices=("both", "default", "sweep"), default="both",
                         help="glibc malloc settings: its defaults, the sweep workers' "
                              "(MALLOC_ENV), or both in turn (each in a fresh process)")
     args = parser.parse_args()
     if args.allocator == "both":
-        argv = [part for key, value in vars(args).items() if key != "allocator"
+        argv = [part for key, value in vars(args).items()
+                if key != "allocator" and value is not None
                 for part in (f"--{key.replace('_', '-')}", str(value))]
         for allocator in ("default", "sweep"):
             subprocess.run([sys.executable, __file__, *argv, "--allocator", allocator],
@@ -117,7 +120,9 @@ def main() -> None:
     for name in ("deep-private-fedrep", "deep-dp-fedavg"):
         cfg = parse_config({"algorithm": name, "dataset": args.dataset,
                             "num-users": args.num_users, "model": args.model,
-                            "body-steps": args.body_steps}, strict=True)
+                            "body-steps": args.body_steps,
+                            **({} if args.chunk_mb is None else {"chunk-mb": args.chunk_mb})},
+                           strict=True)
         cls, problem = get_algorithm(name), problem_of(cfg)
         trains = cls.released_part  # what a round trains and releases: "body" or "model"
         model = torch.from_numpy(problem.spec.initial(0))

@@ -78,8 +78,8 @@ from fedpriv.privacy.mechanisms import adapted_clip
 from fedpriv.randomness import user_uniforms
 
 # accuracy_sums and disjoint_batches: imported from here by tests and benchmarks
-__all__ = ["GHOST_FLOATS", "GHOST_ROWS", "UNCLIPPED", "DeepAlgorithm", "DeepBase",
-           "accuracy_sums", "adapted_clip", "disjoint_batches"]
+__all__ = ["GHOST_FLOATS", "GHOST_ROWS", "PER_USER_FLOATS", "UNCLIPPED", "DeepAlgorithm",
+           "DeepBase", "accuracy_sums", "adapted_clip", "disjoint_batches"]
 
 _SAMPLING_PURPOSE = 0xD5A
 UNCLIPPED = "unclipped"  # adaptive clipping's released part: the centred count
@@ -90,6 +90,12 @@ GHOST_ROWS = 3072
 # and at most this many floats of the rows' inputs and activations per call (64 MiB float32):
 # memory-bound bodies (the built-in cnn) run faster in smaller calls; the MLP stays at GHOST_ROWS
 GHOST_FLOATS = 2**24
+# per-user parameters of a chunk on the per-user path (several local steps, or a model ghost
+# clipping cannot take): at most this many floats (16 MiB float32), so each step's per-user
+# parameters and gradients stay under glibc's mmap threshold and reuse their pages
+# (fedpriv.allocator): 5 local steps of the default MLP went 87 -> 17 users a chunk and
+# 91-115 -> 142-174 users/s (docs/measurements.md)
+PER_USER_FLOATS = 2**22
 
 DC = TypeVar("DC", bound=DeepLocalConfig)
 
@@ -374,10 +380,11 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
 
     @classmethod
     def round_chunk(cls, config: DeepConfig, problem: DeepProblem) -> int:
-        """Users per vectorized call of a round: what ``chunk-mb`` holds, and with ghost
-        clipping at most ``GHOST_ROWS`` rows of their two batches (2b a user: its float64
-        Grams and products run fastest cache-sized) holding at most ``GHOST_FLOATS`` floats of
-        inputs and activations (why: the comments there)."""
+        """Users per vectorized call of a round: what ``chunk-mb`` holds; on the per-user
+        path at most ``PER_USER_FLOATS`` floats of their own parameters; with ghost clipping at
+        most ``GHOST_ROWS`` rows of their two batches (2b a user: its float64 Grams and
+        products run fastest cache-sized) holding at most ``GHOST_FLOATS`` floats of inputs
+        and activations (why: the comments there)."""
         spec, b = problem.spec, problem.batch_size
         own = cls.released_size(spec)
         ghost = config.body_steps == 1 and cls.ghost_eligible(spec)
@@ -387,7 +394,7 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
                 else own * min(config.body_steps, 2))
         size = chunk_users(problem, 2 * b, held, config.chunk_mb)
         if not ghost:
-            return size
+            return min(size, max(1, PER_USER_FLOATS // max(1, own)))
         rows = min(GHOST_ROWS, GHOST_FLOATS // spec.row_floats)
         return min(size, max(1, rows // (2 * b)))
 
