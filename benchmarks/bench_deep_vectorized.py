@@ -16,7 +16,7 @@ formed; the cnn's conv layers' per-user gradients from one grouped convolution);
 ``vmap(grad)`` per-user updates and their clipped sum.
 
     python benchmarks/bench_deep_vectorized.py [--dataset digits] [--model cnn] [--users 400]
-        [--body-steps 5] [--chunk-mb 64] [--allocator both|default|sweep]
+        [--body-steps 5] [--chunk-mb 64] [--per-user-floats N] [--allocator both|default|sweep]
 
 After the table, a ceiling for the whole-model algorithms: the same users' rows (both batches)
 as *one* float32 batch, one forward and one backward pass of the model to its batch-mean
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from fedpriv.algorithms.deep import deep_algorithm
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep.deep_algorithm import disjoint_batches
 from fedpriv.algorithms.deep.problem import problem_of, user_block
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--body-steps", type=int, default=1)
     parser.add_argument("--chunk-mb", type=float, default=None,
                         help="memory budget of a chunk of users (default: the key's default)")
+    parser.add_argument("--per-user-floats", type=int, default=None,
+                        help="the per-user path's cap on a chunk's per-user parameter floats "
+                             "(default: deep_algorithm.PER_USER_FLOATS; 1000000000000 lifts it)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings")
     parser.add_argument("--allocator", choices=("both", "default", "sweep"), default="both",
                         help="glibc malloc settings: its defaults, the sweep workers' "
@@ -111,6 +115,8 @@ def main() -> None:
                            check=True, env=_allocator_env(allocator))
         return
     print(f"glibc malloc: {args.allocator}")
+    if args.per_user_floats is not None:
+        deep_algorithm.PER_USER_FLOATS = args.per_user_floats
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"dataset {args.dataset}, N = {args.num_users}, model {args.model}")

@@ -11,6 +11,7 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from fedpriv.algorithms.base import Part, Step
+from fedpriv.algorithms.deep import deep_algorithm as da
 from fedpriv.algorithms.deep import deep_math as dm
 from fedpriv.algorithms.deep import ghost_clipping as gc
 from fedpriv.algorithms.deep.deep_algorithm import adapted_clip, disjoint_batches
@@ -162,6 +163,36 @@ def test_a_round_in_the_nodes_chunks_equals_clipping_each_users_update(algorithm
     # of 2.9e-4 on one machine), where a 0.1% error fails it
     assert np.allclose(got.totals["update"], expected, rtol=1e-4,
                        atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize(("algorithm", "steps", "ghost_declines"),
+                         [("deep-dp-fedavg", 3, False), ("deep-private-fedrep", 2, False),
+                          ("deep-dp-fedavg", 1, True)])
+def test_the_per_user_path_in_parts_of_its_cap_sums_every_users_clipped_update(
+        monkeypatch, algorithm, steps, ghost_declines):
+    """Several local steps (or a model that ghost clipping turns down at run time, in a chunk
+    sized for ghost clipping): ``clipped_work`` computes the per-user updates in parts of at
+    most ``per_user_cap`` users; the sum and the count are those of every user's update at
+    once. The cap is two users here (six parts of 11 users, the last short)."""
+    cfg = config(algorithm, body_steps=steps)
+    cls, problem = get_algorithm(algorithm), problem_of(cfg)
+    own = cls.released_size(problem.spec)
+    monkeypatch.setattr(da, "PER_USER_FLOATS", 3 * own - 1)  # two users a part
+    assert da.per_user_cap(problem, own) == 2
+    if ghost_declines:
+        monkeypatch.setattr(da, "ghost_clipped_sum", lambda *args: None)
+    ids = np.arange(11)
+    model = torch.from_numpy(problem.spec.initial(0))
+    block = user_block(problem, ids)
+    first, second, mask = disjoint_batches(cfg.seed, 1, ids, block.counts, block.y.shape[1],
+                                           problem.batch_size)
+    updates = cls.local_work(cfg, problem, model, block, first, second, mask)  # all at once
+    clip = float(torch.linalg.vector_norm(updates, dim=1).median()) * 1.0001
+    expected, clipped = dm.clipped_sum(updates, clip)
+    got, got_clipped = cls.clipped_work(cfg, problem, model, block, first, second, mask, clip)
+    assert got_clipped == clipped and 0 < clipped < len(ids)
+    assert np.abs(expected).max() > 1e-4
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7 * np.abs(expected).max())
 
 
 def same_padded_conv(shape, classes):

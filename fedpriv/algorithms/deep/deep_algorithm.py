@@ -91,13 +91,21 @@ GHOST_ROWS = 3072
 # memory-bound bodies (the built-in cnn) run faster in smaller calls; the MLP stays at GHOST_ROWS
 GHOST_FLOATS = 2**24
 # per-user parameters of a chunk on the per-user path (several local steps, or a model ghost
-# clipping cannot take): at most this many floats (16 MiB float32), so each step's per-user
-# parameters and gradients stay under glibc's mmap threshold and reuse their pages
-# (fedpriv.allocator): 5 local steps of the default MLP went 87 -> 17 users a chunk and
-# 91-115 -> 142-174 users/s (docs/measurements.md)
+# clipping cannot take), on the CPU: at most this many floats (16 MiB float32), so each step's
+# per-user parameters and gradients stay under glibc's mmap threshold and reuse their pages
+# (fedpriv.allocator): 5 local steps of Fashion-MNIST's MLP went 87 -> 17 users a chunk and
+# 91-115 -> 161-174 users/s (docs/measurements.md)
 PER_USER_FLOATS = 2**22
 
 DC = TypeVar("DC", bound=DeepLocalConfig)
+
+
+def per_user_cap(problem: DeepProblem, own: int) -> int:
+    """Users whose ``own`` per-user parameter floats a call of the per-user path holds at
+    once: ``PER_USER_FLOATS`` of them on the CPU (above), no cap on an accelerator."""
+    if problem.device.type != "cpu":
+        return 2**62
+    return max(1, PER_USER_FLOATS // max(1, own))
 
 
 def model_tensor(arrays: Mapping[str, np.ndarray], problem: DeepProblem) -> torch.Tensor:
@@ -394,7 +402,7 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
                 else own * min(config.body_steps, 2))
         size = chunk_users(problem, 2 * b, held, config.chunk_mb)
         if not ghost:
-            return min(size, max(1, PER_USER_FLOATS // max(1, own)))
+            return min(size, per_user_cap(problem, own))
         rows = min(GHOST_ROWS, GHOST_FLOATS // spec.row_floats)
         return min(size, max(1, rows // (2 * b)))
 
@@ -423,10 +431,20 @@ class DeepAlgorithm(DeepBase[DeepConfig]):
                                       config.local_lr, clip)
             if ghost is not None:
                 return ghost
-        with torch.enable_grad():
-            updates = dm.local_updates(problem.spec, start, heads, x, y, weights,
-                                       config.body_steps, config.local_lr)
-        return dm.clipped_sum(updates, clip)
+        # per-user updates, in parts of at most per_user_cap users (a ghost-sized chunk whose
+        # model ghost clipping turned down at run time holds more)
+        total, clipped, step = np.zeros(start.shape[0]), 0, per_user_cap(problem, start.shape[0])
+        for lo in range(0, x.shape[0], step):
+            part = slice(lo, lo + step)
+            with torch.enable_grad():
+                updates = dm.local_updates(problem.spec, start,
+                                           None if heads is None else heads[part], x[part],
+                                           y[part], weights[part], config.body_steps,
+                                           config.local_lr)
+            part_sum, part_clipped = dm.clipped_sum(updates, clip)
+            total += part_sum
+            clipped += part_clipped
+        return total, clipped
 
     @classmethod
     def final_sums(cls, config: DeepConfig, problem: DeepProblem, model: torch.Tensor,

@@ -149,7 +149,8 @@ class ModelKeys(RunConfig):
         *one_of(DEVICES)))
     chunk_mb: float = key(Param(
         "chunk-mb", float, 512.0, "memory budget of one vectorized chunk of users: a node "
-        "computes its users in chunks whose estimated working set fits it", positive,
+        "computes its users in chunks whose estimated working set fits it (on the CPU, a chunk "
+        "of per-user updates holds at most 2^22 floats of them)", positive,
         "a number > 0"))
 
     def check_keys(self) -> None:
