@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,9 @@ from fedpriv.config_files import app_config_keys, for_flower, toml_value
 from fedpriv.cost import estimate
 from fedpriv.data.cache import CACHE_MB_ENV, DEFAULT_CACHE_MB
 from fedpriv.executables import tool_path
+from fedpriv.local_superlink import listening_pid as _listening_pid
+from fedpriv.local_superlink import port_open as _port_open
+from fedpriv.local_superlink import start_local_superlink, stop_local_superlink
 from fedpriv.nodes import auto_num_nodes
 from fedpriv.outputs import unclaim
 from fedpriv.ray_head import RayHead, driver_env
@@ -54,49 +54,6 @@ def project_dir() -> Path:
         raise SystemExit(f"fedpriv: no Flower app (pyproject.toml) next to the package at {root}; "
                          "run from a source checkout")
     return root
-
-
-def _port_open(port: int) -> bool:
-    """Whether something accepts connections on 127.0.0.1:``port``."""
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _listening_pid(port: int) -> int | None:
-    """PID of the process listening on 127.0.0.1:port (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
-                inodes.add(cols[9])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(pid)
-        except OSError:
-            continue
-    return None
-
-
-def stop_local_superlink(port: int) -> None:
-    """Stop the process listening on 127.0.0.1:``port`` (SIGTERM, then SIGKILL after 10 s)."""
-    pid = _listening_pid(port)
-    if pid is None:
-        return
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(50):
-        if not _port_open(port):
-            return
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
 
 
 NO_RUNTIME_INSTALL = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
@@ -223,23 +180,10 @@ class FlowerSession:
         env = actor_env(link.env({**os.environ, **driver_env(self.ray_address),
                                   NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL, "1")}),
                         self.num_cpus)
-        state = Path(env["FLWR_HOME"], "local-superlink")
-        state.mkdir(parents=True, exist_ok=True)
-        log_path = state / "superlink.log"
-        with open(log_path, "w") as log:
-            self._superlink = subprocess.Popen(
-                ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-                 "--control-api-address", f"127.0.0.1:{link.control_port}", "--host",
-                 "127.0.0.1", "--port", str(link.port), "--database", str(state / "state.db")],
-                cwd=self._tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not link.running():
-            if self._superlink.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-20:]
-                raise RuntimeError("the session's SuperLink did not start; the end of its "
-                                   "log:\n" + "\n".join(tail))
-            time.sleep(0.2)
+        try:
+            self._superlink = start_local_superlink(link.port, link.control_port, env, self._tmp)
+        except RuntimeError as e:
+            raise RuntimeError(f"the session's SuperLink did not start: {e}") from None
 
     def __exit__(self, *exc: object) -> None:
         if self._stop_superlink and self.link is not None:
@@ -424,9 +368,18 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
         print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
               f"({config.num_users} users) on a local SuperLink at 127.0.0.1:{link.port}",
               flush=True)
+    # a SuperLink that outlives this run must not start in this run's temp folder
+    workdir = session.workdir if session is not None and session.workdir else tmp
+    superlink = None
+    if not link.running():  # started here, as `flwr run` would, with more time than its 15 s
+        try:
+            superlink = start_local_superlink(link.port, link.control_port, env, workdir)
+        except RuntimeError as e:
+            print(f"fedpriv: {e}", file=sys.stderr)
+            return 1
+        if session is not None and session._superlink is None:
+            session._superlink = superlink  # stopped with the session
     try:
-        # a SuperLink that outlives this run must not start in this run's temp folder
-        workdir = session.workdir if session is not None and session.workdir else tmp
         # a session of its own: a terminal's Ctrl-C reaches fedpriv alone, which then stops
         # every process of the run by PID (fedpriv.stopping), the SuperLink's included
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, start_new_session=True,
@@ -462,6 +415,8 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
             proc.wait()
         if stop:
             link.stop()
+            if superlink is not None:
+                superlink.poll()  # reaped
     if (proc.returncode != 0 and not finished) or not out.is_file():
         print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
               f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)

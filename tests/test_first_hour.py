@@ -177,18 +177,49 @@ def flower_env(folder: Path, name: str) -> dict:
     return env
 
 
+SLOW_SUPERLINK_S = 17
+"""Seconds the slow SuperLink below waits before it starts: more than the 15 s that `flwr run`
+gives a local SuperLink it starts (a loaded CI machine once took longer)."""
+
+
+def slow_superlink_environment(folder: Path) -> Path:
+    """An interpreter in ``folder/bin`` (this one, linked; a virtual environment's
+    ``pyvenv.cfg`` and ``lib`` linked too) whose scripts folder holds this environment's
+    commands, except ``flower-superlink``: it starts SLOW_SUPERLINK_S seconds late."""
+    scripts, real = folder / "bin", Path(sys.executable).parent
+    scripts.mkdir(parents=True)
+    if (Path(sys.prefix) / "pyvenv.cfg").is_file():
+        shutil.copy(Path(sys.prefix) / "pyvenv.cfg", folder / "pyvenv.cfg")
+        for name in ("lib", "lib64"):
+            if (Path(sys.prefix) / name).exists():
+                (folder / name).symlink_to(Path(sys.prefix) / name)
+    python = scripts / "python3"
+    python.symlink_to(sys.executable)
+    for tool in real.iterdir():
+        if tool.name.startswith(("flwr", "flower-", "ray")) and tool.name != "flower-superlink":
+            (scripts / tool.name).symlink_to(tool)
+    slow = scripts / "flower-superlink"
+    slow.write_text(f"#!/bin/sh\nsleep {SLOW_SUPERLINK_S}\n"
+                    f"exec {real / 'flower-superlink'} \"$@\"\n")
+    slow.chmod(0o755)
+    return python
+
+
 @pytest.mark.integration
 def test_two_runs_at_once_each_run_on_a_superlink_of_their_own(tmp_path, short_dir):
     """Two `fedpriv run` jobs started at once, with two FLWR_HOMEs, while something listens on
     Flower's default SuperLink ports: each runs on a SuperLink it started on free ports (and
     stopped), nothing connects to the default ports; one of them runs from an environment
-    that is not activated (PATH lacks its scripts: `flwr` is found beside its interpreter)."""
+    that is not activated (PATH lacks its scripts: `flwr` is found beside its interpreter),
+    whose SuperLink takes longer to start than `flwr run` would wait for one."""
+    slow_python = slow_superlink_environment(short_dir / "slow")
     listeners = [Listener(39091), Listener(39093)]
     try:
         procs = []
         for name, path in (("a", os.environ.get("PATH", "")), ("b", "/usr/bin:/bin")):
             env = {**flower_env(short_dir, name), "PATH": path}
-            cmd = [sys.executable, "-m", "fedpriv.cli", "run", "--out",
+            cmd = [sys.executable if name == "a" else str(slow_python), "-m", "fedpriv.cli",
+                   "run", "--out",
                    str(tmp_path / f"{name}.json"), "--set", "num-users=400", "--set",
                    "rounds=2", "--set", f"seed={ord(name)}"]
             procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path, text=True,
