@@ -10,7 +10,7 @@ from pathlib import Path
 
 def tool_path(env: dict[str, str]) -> dict[str, str]:
     """``env`` with this interpreter's scripts folder first on PATH: ``flwr``, ``ray`` and the
-    ``flower-superlink`` that ``flwr run`` starts are found beside the interpreter that runs
+    ``flower-superlink`` of a run are found beside the interpreter that runs
     fedpriv, so an environment works without being activated (a cron job, an IDE, a script
     calling /path/to/venv/bin/fedpriv)."""
     scripts = str(Path(sys.executable).parent)

@@ -2,10 +2,10 @@
 
 ``run_flower`` writes the run config to a file, runs ``flwr run`` on this project's Flower app
 with one SuperNode per cohort of users, on a local SuperLink of the run's own (free ports, a
-private ``FLWR_HOME``: ``LocalSuperLink``), and stops that SuperLink after it (found by its
-port, stopped by its PID). It starts ``flwr`` as a subprocess, found beside this interpreter
-(``tool_path``), and never imports it; the commands above it (``fedpriv.cli``,
-``fedpriv.sweep``) share it from here.
+private ``FLWR_HOME``: ``LocalSuperLink``, started here: ``fedpriv.local_superlink``), and
+stops that SuperLink after it (found by its port, stopped by its PID). It starts ``flwr`` as
+a subprocess, found beside this interpreter (``tool_path``), and never imports it; the
+commands above it (``fedpriv.cli``, ``fedpriv.sweep``) share it from here.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from fedpriv.stopping import (
 )
 
 LOCAL_SUPERLINK_PORT_ENV = "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"
-"""Flower's variable for the port of the local SuperLink that ``flwr run`` starts."""
+"""Flower's variable for the port of the local SuperLink ``flwr run`` submits to."""
 LOCAL_CONTROL_PORT_ENV = "FLWR_LOCAL_CONTROL_API_PORT"
 """... and for its Control API's port."""
 
@@ -63,7 +63,7 @@ NO_RUNTIME_INSTALL = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
 def with_cache_share(env: dict[str, str], actors: int) -> dict[str, str]:
     """``env`` with each of ``actors`` ClientApp actors given its share of the default data
     cache (``FEDPRIV_CACHE_MB``), unless the user set one: the processes that start actors
-    (the SuperLink that ``flwr run`` starts, a session's Ray head) pass it on to them."""
+    (a run's local SuperLink, a session's Ray head) pass it on to them."""
     env.setdefault(CACHE_MB_ENV, str(max(64, DEFAULT_CACHE_MB // max(1, actors))))
     return env
 
@@ -75,7 +75,7 @@ driver connects."""
 
 def actor_env(env: dict[str, str], actors: int) -> dict[str, str]:
     """The environment of a process that starts a simulation's ClientApp actors (the SuperLink
-    that ``flwr run`` starts, a session's Ray head): each actor's share of the data cache
+    of a run, a session's Ray head): each actor's share of the data cache
     (``with_cache_share``), and Ray's pre-started workers off unless the user set them
     (``RAY_PRESTART_ENV=0``): a simulation starts its actors itself, and the workers Ray
     pre-starts beside them import Ray for nothing (about 3.5 CPU-seconds and 1.3 s of a small
@@ -84,14 +84,18 @@ def actor_env(env: dict[str, str], actors: int) -> dict[str, str]:
     return with_cache_share(env, actors)
 
 
+CONNECTION = "fedpriv-local"
+"""The name of the connection to a SuperLink of fedpriv's own in its ``config.toml``."""
+
+
 @dataclass(frozen=True)
 class LocalSuperLink:
     """The local SuperLink a run submits to. By default a run's own: free ports and a private
-    ``FLWR_HOME`` (its state and logs), started by ``flwr run`` and stopped after it, so a run
-    never joins a SuperLink that another job (or user) started on Flower's default ports, and
-    two runs at once never share one. ``named``: the user named one with Flower's variable
-    ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``; a SuperLink already listening there is used (with
-    the user's ``FLWR_HOME``) and left running."""
+    ``FLWR_HOME`` (its state and logs), started before ``flwr run`` (``start_local_superlink``)
+    and stopped after it, so a run never joins a SuperLink that another job (or user) started
+    on Flower's default ports, and two runs at once never share one. ``named``: the user
+    named one with Flower's variable ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``; a SuperLink
+    already listening there is used (with the user's ``FLWR_HOME``) and left running."""
 
     port: int
     control_port: int | None
@@ -121,6 +125,21 @@ class LocalSuperLink:
 
     def stop(self) -> None:
         stop_local_superlink(self.port)
+
+    def connection(self) -> list[str]:
+        """The SuperLink connection ``flwr run`` is given: for a SuperLink of fedpriv's own
+        (its private ``FLWR_HOME``), one named ``CONNECTION`` with the SuperLink's address, so
+        that ``flwr run`` takes it as running (Flower probes a local connection once, for
+        0.4 s, and starts a second SuperLink on that port if the probe times out); none (the
+        local one) for a SuperLink the user named."""
+        if self.home is None:
+            return []
+        config = Path(self.home, "config.toml")
+        if not config.is_file():
+            config.write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+                              f'address = ":local:"\n\n[superlink.{CONNECTION}]\n'
+                              f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        return [CONNECTION]
 
 
 class FlowerSession:
@@ -237,7 +256,7 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
     """Run through Flower's simulation engine, on a local SuperLink of the run's own
     (``LocalSuperLink``; a session's, or one the user named). ``ray_address``: attach the
     simulation to that existing Ray cluster (Ray's ``RAY_ADDRESS``, inherited by the SuperLink
-    that ``flwr run`` starts and by its simulation process) instead of starting a Ray
+    of the run and by its simulation process) instead of starting a Ray
     instance of its own. ``session``: one of several runs sharing the session's SuperLink and
     Ray head. ``head``: the run's own Ray head (``early_ray_head``), attached to the same way;
     the caller stops it."""
@@ -257,9 +276,11 @@ def run_flower(config: RunConfig, values: dict[str, Any], out: Path, keep_superl
                                          if keep_superlink else tmp)
             started_here = not link.running()
         # run the app from the environment fedpriv is installed in: no per-run dependency
-        # installation (uv sync) by the SuperLink that `flwr run` starts, unless asked for
+        # installation (uv sync) by the run's SuperLink, unless asked for
         env = link.env({**os.environ, NO_RUNTIME_INSTALL: os.environ.get(NO_RUNTIME_INSTALL,
                                                                           "1")})
+        if env.get("FLWR_HOME"):  # `flwr run` and the SuperLink run in other folders
+            env["FLWR_HOME"] = str(Path(env["FLWR_HOME"]).expanduser().resolve())
         if env.get("PYTHONPATH"):  # the apps run in other folders: `PYTHONPATH=.` means here
             env["PYTHONPATH"] = os.pathsep.join(
                 str(Path(p).resolve()) if p else p for p in env["PYTHONPATH"].split(os.pathsep))
@@ -362,8 +383,8 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     logical = ray_cpus(config)
     if logical > cores and not ray_address:  # a cluster's CPUs are its own
         federation += f" init-args-num-cpus={logical}"
-    cmd = ["flwr", "run", str(project_dir()), "--stream", "--run-config", str(run_config),
-           "--federation-config", federation]
+    cmd = ["flwr", "run", str(project_dir()), *link.connection(), "--stream", "--run-config",
+           str(run_config), "--federation-config", federation]
     if not quiet:
         print(f"fedpriv: launching Flower simulation with {nodes} SuperNodes "
               f"({config.num_users} users) on a local SuperLink at 127.0.0.1:{link.port}",
@@ -372,12 +393,13 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
     workdir = session.workdir if session is not None and session.workdir else tmp
     superlink = None
     if not link.running():  # started here, as `flwr run` would, with more time than its 15 s
-        try:
-            superlink = start_local_superlink(link.port, link.control_port, env, workdir)
+        try:  # (a kept SuperLink outlives the run's folder: it runs in its FLWR_HOME)
+            superlink = start_local_superlink(link.port, link.control_port, env,
+                                              link.home or workdir)
         except RuntimeError as e:
             print(f"fedpriv: {e}", file=sys.stderr)
             return 1
-        if session is not None and session._superlink is None:
+        if session is not None:
             session._superlink = superlink  # stopped with the session
     try:
         # a session of its own: a terminal's Ctrl-C reaches fedpriv alone, which then stops
@@ -391,6 +413,8 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
         print(f"fedpriv: Flower's `flwr` command was found neither beside {sys.executable} "
               "nor on PATH: install fedpriv's dependencies in this environment "
               "(pip install -e .)", file=sys.stderr)
+        if stop and superlink is not None:
+            _stop_group(superlink)
         return 1
     done, finished = server_done_line(), False
     try:
@@ -415,8 +439,8 @@ def _flwr_run(config: RunConfig, values: dict[str, Any], out: Path, env: dict[st
             proc.wait()
         if stop:
             link.stop()
-            if superlink is not None:
-                superlink.poll()  # reaped
+            if superlink is not None:  # what it started too; reaped
+                _stop_group(superlink, grace=1.0)
     if (proc.returncode != 0 and not finished) or not out.is_file():
         print(f"fedpriv: the Flower run did not complete (exit {proc.returncode}, results "
               f"{'missing' if not out.is_file() else 'present'})", file=sys.stderr)

@@ -11,6 +11,7 @@ then finds it running and submits to it.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -34,13 +35,17 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def healthy(port: int) -> bool:
-    """Whether a SuperLink answers Flower's health check on 127.0.0.1:``port`` (the check
-    ``flwr run`` makes before it decides to start one)."""
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""A URL opener that never goes through a proxy (127.0.0.1 is this machine)."""
+
+
+def healthy(port: int, timeout: float = 2.0) -> bool:
+    """Whether a SuperLink answers Flower's health check (``GET /health``) on
+    127.0.0.1:``port`` with a success."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.4) as reply:
+        with _DIRECT.open(f"http://127.0.0.1:{port}/health", timeout=timeout) as reply:
             return 200 <= int(reply.status) < 300
-    except (OSError, urllib.error.URLError, ValueError):
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
         return False
 
 
@@ -83,28 +88,35 @@ def stop_local_superlink(port: int) -> None:
 def start_local_superlink(port: int, control_port: int | None, env: dict[str, str], cwd: str,
                           timeout: float = START_S) -> subprocess.Popen[bytes]:
     """Start a local SuperLink on 127.0.0.1:``port`` as ``flwr run`` starts one, in a session
-    of its own, with ``env`` (its ``FLWR_HOME`` holds its state and log), and return it once it
-    answers the health check. Raises RuntimeError, quoting the end of its log, if it exits
-    first or does not answer within ``timeout`` seconds (it is stopped then)."""
-    home = Path(env.get("FLWR_HOME") or Path.home() / ".flwr")
-    state = home / "local-superlink"
+    of its own, in ``cwd``, with ``env`` (its ``FLWR_HOME``, relative to ``cwd`` as for Flower,
+    holds its state and its log, appended to), and return it once it answers the health check.
+    Raises RuntimeError, quoting what it logged, if it exits first (a port taken: another
+    process's SuperLink answering there is not taken for it) or does not answer within
+    ``timeout`` seconds (it is stopped then)."""
+    home = Path(cwd, Path(env.get("FLWR_HOME") or Path.home() / ".flwr").expanduser())
+    state = home.resolve() / "local-superlink"
     state.mkdir(parents=True, exist_ok=True)
     log_path = state / "superlink.log"
     control = control_port or int(env.get("FLWR_LOCAL_CONTROL_API_PORT", DEFAULT_CONTROL_PORT))
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
+        started = (f"--- fedpriv: starting flower-superlink on 127.0.0.1:{port}, "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        log.write(started + "\n")
+        log.flush()
         try:
             proc = subprocess.Popen(
                 ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
                  "--control-api-address", f"127.0.0.1:{control}", "--host", "127.0.0.1",
                  "--port", str(port), "--database", str(state / "state.db")],
-                cwd=cwd, env={**env, "FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**env, "FLWR_HOME": str(home.resolve()), "FLWR_DISABLE_UPDATE_CHECK": "1"},
+                start_new_session=True)
         except OSError as e:
             raise RuntimeError(f"Flower's `flower-superlink` command could not start ({e}): "
                                "install fedpriv's dependencies in this environment "
                                "(pip install -e .)") from None
     deadline = time.monotonic() + timeout
-    while not healthy(port):
+    while not healthy(port) or proc.poll() is not None:  # not another process's SuperLink
         if proc.poll() is not None or time.monotonic() > deadline:
             why = (f"exited with code {proc.returncode}" if proc.poll() is not None
                    else f"did not answer within {timeout:.0f} s")
@@ -114,7 +126,8 @@ def start_local_superlink(port: int, control_port: int | None, env: dict[str, st
                 except ProcessLookupError:
                     pass
                 proc.wait()
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-20:]
+            log_text = log_path.read_text(errors="replace")
+            tail = log_text[log_text.rfind(started):].strip().splitlines()[-20:]
             raise RuntimeError(f"the local SuperLink on 127.0.0.1:{port} {why}; the end of its "
                                f"log ({log_path}):\n" + "\n".join(tail))
         time.sleep(0.2)

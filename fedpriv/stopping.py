@@ -3,7 +3,7 @@
 A command that starts processes (``fedpriv run``, ``sweep``, ``tune``, ``deploy submit``) runs
 inside ``RunGuard``. The guard gives the command a token, exported in its environment
 (``FEDPRIV_RUN_TOKEN``), so every process it starts inherits it: ``flwr run``, the local
-SuperLink and SuperExec that ``flwr run`` starts, ``flwr-simulation``, Ray's GCS, raylet and
+run's local SuperLink and its SuperExec, ``flwr-simulation``, Ray's GCS, raylet and
 workers, the ClientApp actors, a sweep's worker processes. Whatever their parent became
 (Flower and Ray start their processes in sessions of their own, and re-parent them), they are
 found by that token in ``/proc/<pid>/environ`` and stopped by PID: SIGTERM, then SIGKILL.

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -200,7 +203,7 @@ def slow_superlink_environment(folder: Path) -> Path:
             (scripts / tool.name).symlink_to(tool)
     slow = scripts / "flower-superlink"
     slow.write_text(f"#!/bin/sh\nsleep {SLOW_SUPERLINK_S}\n"
-                    f"exec {real / 'flower-superlink'} \"$@\"\n")
+                    f"exec {shlex.quote(str(real / 'flower-superlink'))} \"$@\"\n")
     slow.chmod(0o755)
     return python
 
@@ -275,3 +278,52 @@ def test_flwr_run_as_the_readme_writes_it_completes_the_default_job(tmp_path, sh
     assert Path(where.group(1)) == tmp_path / "results" / "run-2.operator.json"
     assert earlier.read_text() == '{"document": "an earlier run"}'  # not overwritten
     assert "Installing application dependencies" not in log
+
+
+@pytest.mark.integration
+def test_a_kept_superlink_outlives_its_command_and_takes_the_next_run(tmp_path, short_dir):
+    """`fedpriv run --keep-superlink`: the SuperLink stays after the command ends (its run
+    folder removed), says its port, FLWR_HOME and PID, takes a second run submitted to it as
+    the user's named SuperLink (and is left running by it), and stops by that PID."""
+    from fedpriv.stopping import process_tree
+
+    env = flower_env(short_dir, "keep")
+    base = [sys.executable, "-m", "fedpriv.cli", "run", "--set", "num-users=200", "--set",
+            "rounds=1"]
+    pid = None
+    try:
+        first = subprocess.run([*base, "--keep-superlink", "--out", str(tmp_path / "a.json")],
+                               env=env, cwd=tmp_path, text=True, capture_output=True,
+                               timeout=480)
+        kept = re.search(r"keeps running on 127\.0\.0\.1:(\d+) \(FLWR_HOME=(\S+)\); stop it "
+                         r"with: kill (\d+)", first.stderr)
+        assert first.returncode == 0 and kept, (first.stdout + first.stderr)[-3000:]
+        port, home, pid = int(kept.group(1)), kept.group(2), int(kept.group(3))
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) == 0  # still there after the command
+        second = subprocess.run(
+            [*base, "--set", "seed=2", "--out", str(tmp_path / "b.json")],
+            env={**env, "FLWR_HOME": home, "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)},
+            cwd=tmp_path, text=True, capture_output=True, timeout=480)
+        assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+        assert f"on a local SuperLink at 127.0.0.1:{port}" in second.stdout
+        runs = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b")]
+        assert all(r["runtime"] == "flower" for r in runs)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) == 0  # a named SuperLink is left running
+    finally:
+        tree = process_tree(pid) if pid is not None else set()
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+        for _ in range(100):  # the SuperLink closes its port as it stops
+            with socket.socket() as s:
+                if pid is None or s.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            time.sleep(0.1)
+        for leftover in tree - {pid}:  # what the SuperLink started (SuperExec, ...)
+            try:
+                os.kill(leftover, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, f"the kept SuperLink {pid} still answers"
