@@ -11,15 +11,14 @@ then finds it running and submits to it.
 
 from __future__ import annotations
 
-import http.client
 import os
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from fedpriv.deploy.commands import check_health
 
 START_S = 120.0
 """Seconds a local SuperLink fedpriv starts has to answer its health check."""
@@ -35,18 +34,10 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""A URL opener that never goes through a proxy (127.0.0.1 is this machine)."""
-
-
 def healthy(port: int, timeout: float = 2.0) -> bool:
     """Whether a SuperLink answers Flower's health check (``GET /health``) on
     127.0.0.1:``port`` with a success."""
-    try:
-        with _DIRECT.open(f"http://127.0.0.1:{port}/health", timeout=timeout) as reply:
-            return 200 <= int(reply.status) < 300
-    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
-        return False
+    return check_health(f"127.0.0.1:{port}", None, timeout)
 
 
 def listening_pid(port: int) -> int | None:

@@ -278,14 +278,21 @@ def write_connection(table: str, home: Path | None = None) -> Path:
     return path
 
 
+_LOOPBACK = ("127.0.0.1:", "localhost:", "[::1]:")
+
+
 def check_health(address: str, root_certificates: str | None, timeout: float = 3.0) -> bool:
-    """Whether the SuperLink at ``address`` answers ``GET /health`` with a success."""
+    """Whether the SuperLink at ``address`` answers ``GET /health`` with a success (a
+    loopback address never through a proxy: none could reach this machine's)."""
     scheme = "http" if root_certificates is None else "https"
     context = None if root_certificates is None else ssl.create_default_context(
         cafile=root_certificates)
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.HTTPSHandler(context=context)]
+    if address.startswith(_LOOPBACK):
+        handlers.append(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(f"{scheme}://{address}/health", timeout=timeout,
-                                    context=context) as response:
+        with urllib.request.build_opener(*handlers).open(f"{scheme}://{address}/health",
+                                                         timeout=timeout) as response:
             status: int = response.status
             return 200 <= status < 300
     except (OSError, http.client.HTTPException):  # refused, TLS failure, not HTTP(S), ...
