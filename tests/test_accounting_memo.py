@@ -1,7 +1,8 @@
 """The accountant's answers, remembered (fedpriv.privacy.memo): a calibration read back from a
 file is the fresh computation's, confirmed by the accountant; never used under other inputs,
 code or library versions, never from a damaged or forged file (too little noise or too much),
-never an error; a composition's epsilon is never read from a file."""
+never an error; a composition's epsilon is never read from a file. A tuning's budget is
+searched once and confirmed when read back; a forged one is searched again."""
 
 import json
 import subprocess
@@ -188,3 +189,66 @@ def test_the_default_folder_is_the_users_cache(monkeypatch, tmp_path):
     monkeypatch.delenv(memo.MEMO_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert memo.folder() == tmp_path / "fedpriv" / "accounting"
+
+
+# ----- a tuning's budget ----------------------------------------------------------------------
+def _tuning_evaluations(monkeypatch):
+    """The confirmed and unconfirmed evaluations of the whole tuning a budget makes."""
+    from fedpriv.tuning import budget
+
+    calls = []
+    real = budget.total_epsilon
+
+    def spy(spec, epsilon, composed=(), confirm=True):
+        calls.append((epsilon, confirm))
+        return real(spec, epsilon, composed, confirm)
+
+    monkeypatch.setattr(budget, "total_epsilon", spy)
+    return calls
+
+
+def test_a_tunings_budget_is_searched_once_and_confirmed_when_read_back(folder, tmp_path,
+                                                                         monkeypatch):
+    """The search (dozens of evaluations of the whole tuning) runs once; a later process reads
+    its answer back and confirms it with two: within the target, and maximal to the search's
+    precision. The budget is the same to the last digit."""
+    from fedpriv.tuning.budget import calibrate_tuning
+    from fedpriv.tuning.spec import load_tune
+    from tests.test_tuning import write
+
+    spec = load_tune(write(tmp_path, eps=2.0))
+    calls = _tuning_evaluations(monkeypatch)
+    first = calibrate_tuning(spec)
+    searched = len(calls)
+    assert searched > 10 and 0.3 < first.candidate_epsilon < 2.0 >= first.total_epsilon
+    assert [json.loads(p.read_text())["answer"] for p in _files(folder)
+            if json.loads(p.read_text())["kind"] == "tuning-budget"] == [first.candidate_epsilon]
+    memo.forget()  # a new process
+    calls.clear()
+    again = calibrate_tuning(spec)
+    assert (again.candidate_epsilon, again.total_epsilon, again.order, again.counts) == (
+        first.candidate_epsilon, first.total_epsilon, first.order, first.counts)
+    assert calls == [(first.candidate_epsilon, True),
+                     (first.candidate_epsilon * (1 + 1e-4), False)]
+
+
+@pytest.mark.parametrize("forged", [1.5, 0.5], ids=["over the target", "needlessly small"])
+def test_a_forged_tuning_budget_is_searched_again(folder, tmp_path, monkeypatch, forged):
+    """An answer that would overspend the total target, or one that would give every candidate
+    less than it may spend, fails the confirmation: the budget is searched again and is the
+    honest one."""
+    from fedpriv.tuning.budget import calibrate_tuning
+    from fedpriv.tuning.spec import load_tune
+    from tests.test_tuning import write
+
+    spec = load_tune(write(tmp_path, eps=2.0))
+    honest = calibrate_tuning(spec)
+    (path,) = [p for p in _files(folder) if json.loads(p.read_text())["kind"] == "tuning-budget"]
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "answer": honest.candidate_epsilon * forged}))
+    memo.forget()
+    calls = _tuning_evaluations(monkeypatch)
+    again = calibrate_tuning(spec)
+    assert again.candidate_epsilon == honest.candidate_epsilon and len(calls) > 10
+    assert again.total_epsilon <= 2.0
+    assert json.loads(path.read_text())["answer"] == honest.candidate_epsilon  # rewritten

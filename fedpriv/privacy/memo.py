@@ -1,5 +1,6 @@
 """The accountant's answers, remembered: a privacy plan's calibration is a pure function of its
-inputs, so dp-accounting computes it once and later processes read it back and confirm it.
+inputs, so dp-accounting computes it once and later processes read it back and confirm it (a
+private tuning's budget too: ``fedpriv.tuning.budget``, confirmed there by its own check).
 
 A run calibrates the same plan in several processes (``fedpriv run`` checks it before Flower
 starts, the ServerApp calibrates it again, a sweep's runs over seeds share it), and a

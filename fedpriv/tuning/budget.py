@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fedpriv.configure import parse_config
@@ -33,6 +33,7 @@ from fedpriv.privacy.accounting import (
     epsilon_of,
     plan_counts,
 )
+from fedpriv.privacy.memo import remembered
 from fedpriv.privacy.selection import plan_rdp, selection_epsilon
 from fedpriv.server import calibrate
 from fedpriv.tuning.spec import TuneSpec
@@ -97,24 +98,75 @@ def total_epsilon(spec: TuneSpec, epsilon: float, composed: Sequence[int] = (),
 
 
 def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
-    """The largest per-candidate epsilon whose tuning stays within the total target."""
+    """The largest per-candidate epsilon whose tuning stays within the total target.
+
+    The search (a few dozen compositions) runs once per tuning: its answer is remembered
+    (``fedpriv.privacy.memo``), and a later process confirms a remembered one with two
+    evaluations instead: the whole tuning at it spends at most the target (with the server's own
+    calibration, as the candidates will run), and candidates a hair richer (1e-4, the search's
+    precision) would not fit. A damaged or forged answer fails one of the two and is searched
+    again."""
     target = spec.epsilon
+    confirmed: dict[float, tuple[float, float | None, dict[int, dict[EventKey, int]]]] = {}
 
-    def spent(eps_c: float, confirm: bool = False) -> tuple[float, float | None,
-                                                             dict[int, dict[EventKey, int]]]:
+    def final_at(eps_c: float) -> tuple[float, float | None, dict[int, dict[EventKey, int]]]:
+        if eps_c not in confirmed:  # the candidates' own calibration, as they will run
+            try:
+                confirmed[eps_c] = _spent(spec, composed, eps_c, confirm=True)
+            except InfeasiblePlanError as err:
+                raise InfeasiblePlanError(f"no tuning meets the total epsilon {target} at "
+                                          f"delta {spec.delta}: {err}") from None
+        return confirmed[eps_c]
+
+    def maximal(eps_c: float) -> bool:
+        """A remembered answer: within the target, and the largest to the search's precision."""
+        if not 0.0 < eps_c <= target:
+            return False
         try:
-            return total_epsilon(spec, eps_c, composed, confirm)
-        except InfeasiblePlanError as err:
-            raise InfeasiblePlanError(f"candidates at epsilon {eps_c:.4g}: {err}") from None
+            if final_at(eps_c)[0] > target * (1 + 1e-9):
+                return False
+            return eps_c == target or _spent(spec, composed, eps_c * (1 + 1e-4))[0] > target
+        except InfeasiblePlanError:
+            return False
 
-    hi = target
-    high = spent(hi, confirm=True)
-    if high[0] <= target:  # one candidate composed alone
-        return Budget(hi, high[0], high[1], high[2], len(composed))
+    eps_c = remembered("tuning-budget", _budget_inputs(spec, composed),
+                       lambda: _search(spec, composed, final_at), check=maximal)
+    final = final_at(eps_c)
+    if final[0] > target * (1 + 1e-9):
+        raise InfeasiblePlanError(f"the calibrated tuning spends {final[0]} > {target}")
+    return Budget(eps_c, final[0], final[1], final[2], len(composed))
+
+
+def _budget_inputs(spec: TuneSpec, composed: Sequence[int]) -> tuple[object, ...]:
+    """What a tuning's budget depends on, as plain values: its target, its method and law of K,
+    every candidate's run config (at a placeholder epsilon) and the candidates composed."""
+    law = (spec.repetitions.eta, spec.repetitions.mean) if spec.repetitions else None
+    points = tuple(tuple(sorted((k, repr(v)) for k, v in spec.candidate_values(p, 1.0).items()))
+                   for p in spec.points)
+    return (float(spec.epsilon), float(spec.delta), spec.method, law, points, tuple(composed))
+
+
+def _spent(spec: TuneSpec, composed: Sequence[int], eps_c: float,
+           confirm: bool = False) -> tuple[float, float | None, dict[int, dict[EventKey, int]]]:
+    try:
+        return total_epsilon(spec, eps_c, composed, confirm)
+    except InfeasiblePlanError as err:
+        raise InfeasiblePlanError(f"candidates at epsilon {eps_c:.4g}: {err}") from None
+
+
+def _search(spec: TuneSpec, composed: Sequence[int],
+            final_at: Callable[[float], tuple[float, float | None, object]]) -> float:
+    """The per-candidate epsilon: halved until the tuning fits, then bisected (relative
+    precision 1e-4) on the search's evaluations (without the PLD confirmation of closed
+    forms); ``final_at`` confirms the answer with the server's own calibration."""
+    target = spec.epsilon
+    hi = float(target)
+    if final_at(hi)[0] <= target:  # one candidate composed alone
+        return hi
     lo = hi / 2.0  # halve until the tuning fits (or the floor is reached)
     while True:
         try:
-            best = spent(lo)
+            best = _spent(spec, composed, lo)
         except InfeasiblePlanError as err:
             raise InfeasiblePlanError(f"no tuning meets the total epsilon {target} at delta "
                                       f"{spec.delta}: {err}") from None
@@ -132,23 +184,16 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
         hi, lo = lo, lo / 2.0
     for _ in range(_BISECTIONS):
         mid = math.sqrt(lo * hi)
-        res = spent(mid)
-        if res[0] <= target:
-            lo, best = mid, res
+        if _spent(spec, composed, mid)[0] <= target:
+            lo = mid
         else:
             hi = mid
         if hi / lo - 1.0 < 1e-4:
             break
     # the search skipped the PLD confirmation of closed forms; the server's own calibration may
     # only add noise (it never overshoots), so the final multipliers spend at most the search's
-    try:
-        final = spent(lo, confirm=True)
-    except InfeasiblePlanError as err:
-        raise InfeasiblePlanError(f"no tuning meets the total epsilon {target} at delta "
-                                  f"{spec.delta}: {err}") from None
-    if final[0] > target * (1 + 1e-9):
-        raise InfeasiblePlanError(f"the calibrated tuning spends {final[0]} > {target}")
-    return Budget(lo, final[0], final[1], final[2], len(composed))
+    final_at(lo)
+    return lo
 
 
 def _distinct(items: Iterable[dict[EventKey, int]]) -> list[dict[EventKey, int]]:
