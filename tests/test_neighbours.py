@@ -417,7 +417,7 @@ def test_fashion_mnist_holds_the_bound():
     config = parse_config({"algorithm": "deep-private-fedrep",
                                      "dataset": "fashion-mnist", "num-users": 200,
                                      "hidden-sizes": "32", "rounds": 1, "epsilon": 1.0,
-                                     "delta": 1e-5, "head-steps": 10})
+                                     "delta": 1e-5, "head-steps": 10, "max-rows-per-user": 60})
     checks = check_neighbour(config, neighbour(HUGE[1], config, builtin_rows(config, 5,
                                                                              HUGE[0])),
                              num_partitions=2, dtype="float32")
