@@ -232,11 +232,12 @@ def test_a_tunings_budget_is_searched_once_and_confirmed_when_read_back(folder, 
                      (first.candidate_epsilon * (1 + 1e-4), False)]
 
 
-@pytest.mark.parametrize("forged", [1.5, 0.5], ids=["over the target", "needlessly small"])
+@pytest.mark.parametrize("forged", [1.5, 0.5, "list"],
+                         ids=["over the target", "needlessly small", "the wrong shape"])
 def test_a_forged_tuning_budget_is_searched_again(folder, tmp_path, monkeypatch, forged):
-    """An answer that would overspend the total target, or one that would give every candidate
-    less than it may spend, fails the confirmation: the budget is searched again and is the
-    honest one."""
+    """An answer that would overspend the total target, one that would give every candidate
+    less than it may spend, or a damaged one (a list, as a plan's answer is) fails the
+    confirmation: the budget is searched again and is the honest one."""
     from fedpriv.tuning.budget import calibrate_tuning
     from fedpriv.tuning.spec import load_tune
     from tests.test_tuning import write
@@ -245,7 +246,9 @@ def test_a_forged_tuning_budget_is_searched_again(folder, tmp_path, monkeypatch,
     honest = calibrate_tuning(spec)
     (path,) = [p for p in _files(folder) if json.loads(p.read_text())["kind"] == "tuning-budget"]
     record = json.loads(path.read_text())
-    path.write_text(json.dumps({**record, "answer": honest.candidate_epsilon * forged}))
+    answer = ([honest.candidate_epsilon] if forged == "list"
+              else honest.candidate_epsilon * forged)
+    path.write_text(json.dumps({**record, "answer": answer}))
     memo.forget()
     calls = _tuning_evaluations(monkeypatch)
     again = calibrate_tuning(spec)

@@ -144,6 +144,7 @@ def test_nodes_that_time_out_each_round_do_not_stop_the_run(tmp_path, flower_env
                     node_timeout=8.0)  # init, one round and the final step: 3 timeouts
     results, proc = run_cli(flower_env, tmp_path, **settings)
     assert results["runtime"] == "flower" and results["num_nodes"] == 3
+    assert [r["step"] for r in results["rounds"]] == ["init", "round-1", "final"]
     for report in results["rounds"]:
         assert report["nodes_answered"] == 2 and report["rejected"] == {"timeout": 1}
     assert results["rejections"] == {"timeout": len(results["rounds"])}

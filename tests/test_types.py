@@ -74,3 +74,21 @@ def test_the_type_checker_rejects_a_misspelled_key(tmp_path, cache, monkeypatch)
     assert any('"RunConfig" has no attribute "dim"' in e for e in errors), out
     assert len(errors) == 3, out  # the keys spelled right pass
     assert "maybe \"clip_norm\"?" in out  # and mypy names the key meant
+
+
+def test_packages_mypy_skips_are_never_imported_by_the_checked_code():
+    """pyproject's mypy overrides skip packages only reached through flwr's, ray's, torch's and
+    matplotlib's imports (their names are Any); the checked code importing one of them directly
+    would go unchecked, so it must not."""
+    import re
+    import tomllib
+
+    overrides = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["overrides"]
+    skipped = {m.removesuffix(".*") for o in overrides if o.get("follow_imports") == "skip"
+               for m in o["module"]}
+    assert {"sqlalchemy", "pydantic", "IPython"} <= skipped
+    imports = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_][\w]*)", re.M)
+    for package in ("fedpriv", "clients", "strategies", "fedpriv_flwr"):
+        for source in (ROOT / package).rglob("*.py"):
+            named = set(imports.findall(source.read_text())) & skipped
+            assert not named, f"{source.relative_to(ROOT)} imports {named}, which mypy skips"

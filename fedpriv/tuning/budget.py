@@ -120,10 +120,10 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
 
     def maximal(eps_c: float) -> bool:
         """A remembered answer: within the target, and the largest to the search's precision."""
-        if not 0.0 < eps_c <= target:
-            return False
+        if not isinstance(eps_c, float) or not 0.0 < eps_c <= target:
+            return False  # a damaged file: the wrong shape or out of range
         try:
-            if final_at(eps_c)[0] > target * (1 + 1e-9):
+            if final_at(eps_c)[0] > target:  # the search's own rule, no float slack
                 return False
             return eps_c == target or _spent(spec, composed, eps_c * (1 + 1e-4))[0] > target
         except InfeasiblePlanError:
@@ -192,7 +192,8 @@ def _search(spec: TuneSpec, composed: Sequence[int],
             break
     # the search skipped the PLD confirmation of closed forms; the server's own calibration may
     # only add noise (it never overshoots), so the final multipliers spend at most the search's
-    final_at(lo)
+    if final_at(lo)[0] > target * (1 + 1e-9):  # an error: raised here, so never remembered
+        raise InfeasiblePlanError(f"the calibrated tuning spends {final_at(lo)[0]} > {target}")
     return lo
 
 
