@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The slow tier (``@pytest.mark.slow``: the full neighbouring-dataset grid, every stored
     figure's privacy plans) runs only when selected: ``python3 -m pytest -m slow`` (or any
     ``-m`` expression naming it, ``-m full_grid``)."""
+    _long_files_first(items)
     selected = config.getoption("markexpr") or ""
     if "slow" in selected or "full_grid" in selected:
         return
@@ -53,6 +54,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# Seconds in tests per file, measured (2026-11-29, 2 cores; `benchmarks/suite_durations.py`):
+# only the order of the files below depends on them. A file with a test marked `integration`
+# (the real Flower runtime) that is not listed counts as 60 s.
+LONG_FILES = {"tests/test_docs.py": 630, "tests/test_neighbours.py": 330,
+              "tests/test_secure_flower.py": 320, "tests/test_deployment.py": 310,
+              "tests/test_flower_integration.py": 300, "tests/test_flower_reliability.py": 300,
+              "tests/test_tuning.py": 280, "tests/test_flower_personal.py": 220,
+              "tests/test_first_hour.py": 180, "tests/test_run_control.py": 140,
+              "tests/test_sweep.py": 125, "tests/test_types.py": 70}
+
+
+def _long_files_first(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, each worker's share of the tests starts with long files and ends on
+    short ones. xdist gives each worker a contiguous share and later moves tests from the end
+    of the longest queue to an idle worker, so the run then ends on short tests instead of one
+    worker finishing a two-minute test alone (CI's run of 2026-11-29 ended on three of 95-175
+    s). The long files (``LONG_FILES``, and any with a test marked ``integration``) are dealt
+    whole, longest first, to the share with the fewest seconds so far; the other files keep
+    their order and fill the shares."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers < 2:
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    weight = {name: LONG_FILES.get(name, 60) for name, its in files.items()
+              if name in LONG_FILES or any(i.get_closest_marker("integration") for i in its)}
+    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for name in sorted(weight, key=lambda n: -weight[n]):
+        w = load.index(min(load))
+        heads[w].extend(files[name])
+        load[w] += weight[name]
+    rest = [item for name, its in files.items() if name not in weight for item in its]
+    share, ordered = -(-len(items) // workers), []
+    for w in range(workers):
+        ordered.extend(heads[w])
+        take = len(rest) if w == workers - 1 else max(0, share * (w + 1) - len(ordered))
+        ordered.extend(rest[:take])
+        rest = rest[take:]
+    items[:] = ordered
 
 
 def small_config(**overrides) -> RunConfig:
