@@ -159,12 +159,16 @@ def test_sweeps_and_tuning_check_every_run_before_any(tmp_path):
         load_tune(ROOT / "configs" / "tune_private_fedrep.toml", ["num-users=1000000000"])
 
 
+# The run's own peak: VmHWM, the high-water RSS of this process's memory since its exec.
+# getrusage's ru_maxrss is not: Linux keeps it across fork and exec, so a child of a large
+# pytest worker (after the deep tests) reported the worker's 1.86 GB as its own peak.
 MEASURE = """
-import json, resource, sys
+import json, re, sys
 from fedpriv.configure import parse_config
 from fedpriv.engine import run_in_process
 run_in_process(parse_config(json.loads(sys.argv[1]), strict=True), log=lambda _: None)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+status = open("/proc/self/status").read()
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) * 1024)
 """
 
 
