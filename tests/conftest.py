@@ -62,7 +62,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONG_FILES = {"tests/test_docs.py": 630, "tests/test_neighbours.py": 330,
               "tests/test_secure_flower.py": 320, "tests/test_deployment.py": 310,
               "tests/test_flower_integration.py": 300, "tests/test_flower_reliability.py": 300,
-              "tests/test_tuning.py": 280, "tests/test_flower_personal.py": 220,
+              "tests/test_tuning.py": 230, "tests/test_flower_personal.py": 175,
               "tests/test_first_hour.py": 180, "tests/test_run_control.py": 140,
               "tests/test_sweep.py": 125, "tests/test_types.py": 70}
 

@@ -28,46 +28,16 @@ def run_cli(env, workdir, **settings):
     return json.loads(out.read_text()), proc
 
 
-def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_env):
-    # without FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION: `fedpriv run` sets it itself for the
-    # SuperLink it starts, so Flower installs no dependencies per run. Measured control (=0):
-    # the log shows "Installing application dependencies..." and "uv sync took 5.8 seconds",
-    # and the default job took 52 s instead of 29 s.
-    env = {k: v for k, v in flower_env.items()
-           if k != "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"}
-    results, proc = run_cli(env, tmp_path, num_users=800, dim=10, epsilon=2.0,
-                            users_per_node=200, rounds=3)
-    log = proc.stdout + proc.stderr
-    assert "Installing application dependencies" not in log and "uv sync" not in log
-    assert results["runtime"] == "flower" and results["num_nodes"] == 4
-    assert results["metrics"]["population_mse"] < 0.2 * results["metrics"]["local_only_mse"]
-    privacy = results["privacy"]
-    assert 1.9 < privacy["epsilon"] <= 2.0
-    assert [e["release"] for e in privacy["ledger"]] == ["init", "round-1", "round-2",
-                                                        "round-3"]
-    assert all(r["nodes_answered"] == 4 for r in results["rounds"])
-    assert "epsilon_spent=" in proc.stdout  # per-round progress was shown
-    # where the time went (benchmarks/profile_flower.py), in the operator report only
-    profile = results["profile"]
-    assert [s["step"] for s in profile["steps"]] == ["init", "round-1", "round-2", "round-3",
-                                                     "final"]
-    assert all(0 < s["nodes_compute_s"] and 0 <= s["server_s"] < s["wall_s"]
-               for s in profile["steps"])
-    assert (profile["serverapp_started_unix"] <= profile["nodes_discovered_unix"]
-            <= profile["steps_done_unix"])
-    assert profile["indexed_dispatch"] is True  # strategies.sim_dispatch, in the engine's state
-    release = json.loads((tmp_path / "results.release.json").read_text())
-    assert "profile" not in release and "profile" not in json.dumps(release)
-    # the local SuperLink the CLI started has been stopped
-    assert not _port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
-
-
-def test_a_run_attaches_to_the_ray_head_it_started_beside_its_checks(tmp_path, flower_env,
-                                                                     monkeypatch, deadline):
-    """``fedpriv run`` starts a Ray head when it starts (launcher.early_ray_head) and Flower's
-    simulation attaches to it (a driver connected to that head), in a new user's environment
-    (no RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: Ray would otherwise leave the loopback address and
-    hang); the head is stopped with the run."""
+def test_private_fedrep_through_the_flower_simulation_engine(tmp_path, flower_env, monkeypatch,
+                                                            deadline, capfd):
+    """``fedpriv run`` in a new user's environment: no FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION
+    (``fedpriv run`` sets it itself for the SuperLink it starts, so Flower installs no
+    dependencies per run; measured control (=0): the log shows "Installing application
+    dependencies..." and "uv sync took 5.8 seconds", and the default job took 52 s instead of
+    29 s), and no RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (Ray would otherwise leave the loopback
+    address and hang). The command starts a Ray head when it starts (launcher.early_ray_head)
+    and Flower's simulation attaches to it (one driver connected to that head); the head and
+    the local SuperLink are stopped with the run."""
     from pathlib import Path
 
     from fedpriv import cli, launcher
@@ -90,17 +60,42 @@ def test_a_run_attaches_to_the_ray_head_it_started_beside_its_checks(tmp_path, f
     for key, value in flower_env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    monkeypatch.delenv("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", raising=False)
     monkeypatch.chdir(tmp_path)
-    out = tmp_path / "r.json"
-
-    with deadline(240):  # a driver that cannot reach the head retries for many minutes
-        code = cli.main(["run", "--out", str(out), "--set", "num-users=200", "--set",
-                         "rounds=1"])
-    assert code == 0, "the run failed or hung (stopped after 240 s)"
-    assert json.loads(out.read_text())["runtime"] == "flower"
+    out = tmp_path / "results.json"
+    settings = {"num-users": 800, "dim": 10, "epsilon": 2.0, "users-per-node": 200, "rounds": 3}
+    with deadline(300):  # a driver that cannot reach the head retries for many minutes
+        code = cli.main(["run", "--out", str(out),
+                         *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")]])
+    captured = capfd.readouterr()
+    log = captured.out + captured.err
+    assert code == 0, "the run failed or hung (stopped after 300 s):\n" + log[-3000:]
+    assert "Installing application dependencies" not in log and "uv sync" not in log
     head, = heads
     assert len(head.drivers) == 1, head.drivers  # Flower's simulation process, and no other
     assert not group_running(head.proc.pid)
+    results = json.loads(out.read_text())
+    assert results["runtime"] == "flower" and results["num_nodes"] == 4
+    assert results["metrics"]["population_mse"] < 0.2 * results["metrics"]["local_only_mse"]
+    privacy = results["privacy"]
+    assert 1.9 < privacy["epsilon"] <= 2.0
+    assert [e["release"] for e in privacy["ledger"]] == ["init", "round-1", "round-2",
+                                                        "round-3"]
+    assert all(r["nodes_answered"] == 4 for r in results["rounds"])
+    assert "epsilon_spent=" in captured.out  # per-round progress was shown
+    # where the time went (benchmarks/profile_flower.py), in the operator report only
+    profile = results["profile"]
+    assert [s["step"] for s in profile["steps"]] == ["init", "round-1", "round-2", "round-3",
+                                                     "final"]
+    assert all(0 < s["nodes_compute_s"] and 0 <= s["server_s"] < s["wall_s"]
+               for s in profile["steps"])
+    assert (profile["serverapp_started_unix"] <= profile["nodes_discovered_unix"]
+            <= profile["steps_done_unix"])
+    assert profile["indexed_dispatch"] is True  # strategies.sim_dispatch, in the engine's state
+    release = json.loads((tmp_path / "results.release.json").read_text())
+    assert "profile" not in release and "profile" not in json.dumps(release)
+    # the local SuperLink the CLI started has been stopped
+    assert not _port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
 
 
 def test_bad_config_fails_before_the_run_starts(tmp_path, flower_env):

@@ -439,26 +439,6 @@ def test_total_epsilon_grows_with_the_candidates_budget(tmp_path):
     assert total_epsilon(spec, 0.5)[0] < total_epsilon(spec, 1.0)[0]
 
 
-@pytest.mark.integration
-def test_a_flower_tuning_shares_one_superlink_and_matches_in_process(tmp_path, flower_env,
-                                                                      flower_sessions):
-    from fedpriv import launcher
-
-    sessions = flower_sessions
-    path = write(tmp_path, n=200, method='method = "compose-all"\nsearch = "grid"')
-    path.write_text(path.read_text().replace("rounds = [2, 3]", "rounds = [2]"))
-    spec = load_tune(path)
-    flower = run_tuning(spec, tmp_path / "flower", engine="flower", log=lambda _: None)
-    local = run_tuning(spec, tmp_path / "local", log=lambda _: None)
-    assert len(sessions) == 1 and sessions[0]._head is None  # one session, stopped
-    assert not launcher._port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
-    assert [r["score"] for r in flower["candidates"]] == pytest.approx(
-        [r["score"] for r in local["candidates"]], rel=1e-9)
-    assert flower["winner"]["candidate"] == local["winner"]["candidate"]
-    # a candidate's own release file is not left behind (only the winner's is written)
-    assert not list((tmp_path / "flower" / "candidates").glob("*.release.json"))
-
-
 # ----- deep models: validation rows held back from the users' training rows ----------------
 def test_held_back_rows_are_a_seeded_per_user_split_of_the_training_rows():
     from fedpriv.algorithms.deep.problem import held_back
@@ -558,17 +538,28 @@ def test_a_key_the_algorithm_does_not_read_is_named_by_its_section(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_deep_tuning_through_flower_holds_back_the_same_rows_on_every_node(
+def test_a_flower_tuning_shares_one_superlink_and_holds_back_the_same_rows_on_every_node(
         tmp_path, flower_env, flower_sessions):
-    """The nodes compute the held-back rows themselves (a seeded choice per user): the Flower
-    tuning's noisy scores equal the in-process ones."""
+    """A tuning through Flower runs its candidates on one SuperLink and Ray head, stopped at
+    its end, and leaves only the winner's release. The nodes compute a deep run's held-back
+    rows themselves (a seeded choice per user): the Flower tuning's noisy scores and
+    accuracies equal the in-process ones, and so does its winner. (One test for both: each
+    tuning through Flower costs a SuperLink, a Ray head and a Flower run per candidate.)"""
+    from fedpriv import launcher
+
     spec = load_tune(write_deep(tmp_path))
     flower = run_tuning(spec, tmp_path / "flower", engine="flower", log=lambda _: None)
     local = run_tuning(spec, tmp_path / "local", log=lambda _: None)
+    assert len(flower_sessions) == 1 and flower_sessions[0]._head is None  # one, stopped
+    assert not launcher._port_open(int(flower_env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
     assert [r["score"] for r in flower["candidates"]] == pytest.approx(
         [r["score"] for r in local["candidates"]], rel=1e-9)
     assert [r["accuracy"] for r in flower["candidates"]] == pytest.approx(
         [r["accuracy"] for r in local["candidates"]], rel=1e-9)
+    assert flower["winner"]["candidate"] == local["winner"]["candidate"]
+    # a candidate's own release file is not left behind (only the winner's is written)
+    assert not list((tmp_path / "flower" / "candidates").glob("*.release.json"))
+    assert (tmp_path / "flower" / "winner.json").is_file()
 
 
 def test_a_compose_all_tuning_of_secure_noise_candidates_is_refused(tmp_path):
