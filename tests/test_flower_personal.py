@@ -396,9 +396,15 @@ def evaluate(msg: Message, context: Context) -> Message:
 class Recording(FedAvg):
     """FedAvg that writes down every reply it receives (and may pause after a round)."""
 
-    def __init__(self, out, pause, **kwargs):
+    def __init__(self, out, pause, evaluate_rounds=0, **kwargs):
         super().__init__(**kwargs)
         self.out, self.pause, self.replies = Path(out), pause, []
+        self.evaluate_rounds = evaluate_rounds  # evaluate in rounds 1..N only (0: in every round)
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        if self.evaluate_rounds and server_round > self.evaluate_rounds:
+            return []
+        return super().configure_evaluate(server_round, arrays, config, grid)
 
     def _record(self, server_round, kind, replies):
         for r in replies:
@@ -436,7 +442,7 @@ def main(grid: Grid, context: Context) -> None:
     nodes = int(config.get("nodes", 0) or os.environ.get("PERSONAL_TEST_NODES", "4"))
     strategy = Recording(
         config.get("out") or os.environ["PERSONAL_TEST_OUT"], config.get("pause-dir", ""),
-        fraction_train=1.0, fraction_evaluate=float(config.get("evaluate", 1)),
+        int(config.get("evaluate-rounds", 0)), fraction_train=1.0, fraction_evaluate=1.0,
         min_train_nodes=nodes,
         min_evaluate_nodes=nodes, min_available_nodes=nodes)
     torch.manual_seed(0)
@@ -467,7 +473,7 @@ out = ""
 pause-dir = ""
 nodes = 2
 rounds = 3
-evaluate = 1
+evaluate-rounds = 0
 '''
 
 
@@ -484,9 +490,10 @@ def _by(replies: list[dict], kind: str) -> dict[tuple[int, int], dict]:
     return {(r["round"], r["node"]): r["metrics"] for r in replies if r["kind"] == kind}
 
 
-def _check_the_run(replies: list[dict], nodes: int, rounds: int, evaluated: bool = True) -> dict:
+def _check_the_run(replies: list[dict], nodes: int, rounds: int, evaluated: int = 0) -> dict:
     """What every run must show: the server never saw a head; each node kept its own head from
-    round to round, evaluated it (``evaluated``), and the heads differ between the nodes."""
+    round to round, evaluated it (in rounds 1..``evaluated``; 0: every round), and the heads
+    differ between the nodes."""
     for r in replies:
         keys = [k for ks in r["arrays"].values() for k in ks]
         assert not [k for k in keys if k.startswith("head.")], r
@@ -494,11 +501,12 @@ def _check_the_run(replies: list[dict], nodes: int, rounds: int, evaluated: bool
             assert keys == ["body.weight", "body.bias"], r
     train, evaluate = _by(replies, "train"), _by(replies, "evaluate")
     ids = sorted({node for _, node in train})
+    evaluated = evaluated or rounds
     assert len(ids) == nodes and len(train) == nodes * rounds
-    assert len(evaluate) == (nodes * rounds if evaluated else 0)
+    assert len(evaluate) == nodes * evaluated
     for node in ids:
         for rnd in range(1, rounds + 1):
-            if evaluated:
+            if rnd <= evaluated:
                 assert evaluate[rnd, node]["head-in"] == train[rnd, node]["head-out"]
             if rnd > 1:
                 assert train[rnd, node]["head-in"] == train[rnd - 1, node]["head-out"]
@@ -566,10 +574,10 @@ def test_a_restarted_supernode_reloads_its_personal_layers_from_its_state_dir(pr
     """SuperLink + 2 SuperNodes (TLS, SuperNode authentication: a SuperNode keeps its node id
     across restarts), each with its own personal-state-dir; after round 1 the ServerApp waits,
     SuperNode 0 is stopped and started again (its context.state is gone), then rounds 2-3 run:
-    node 0 takes its head from its file, node 1 from its context.state. Training rounds only
-    (the head is stored after training): every deployment message starts a ClientApp process
-    that imports torch and Flower, and that evaluation uses the kept head is shown in the
-    simulation test above."""
+    node 0 takes its head from its file, node 1 from its context.state. Round 1 evaluates
+    (the kept head, and its fine-tuning rewrites no file: the file holds round 1's trained
+    head); rounds 2-3 train only: every deployment message starts a ClientApp process that
+    imports torch and Flower, and evaluation in every round is the simulation test's."""
     from fedpriv import deploy as dep
     from fedpriv.config_files import toml_value
     from tests.test_deployment import _free_port, _python, _start_superlink, _wait
@@ -602,7 +610,7 @@ def test_a_restarted_supernode_reloads_its_personal_layers_from_its_state_dir(pr
     submit = procs.start("submit", [
         "flwr", "run", str(app), d.connection, "--run-config",
         dep.run_config_string({"out": str(out), "pause-dir": str(pause), "nodes": 2,
-                               "rounds": 3, "evaluate": 0}), "--stream"])
+                               "rounds": 3, "evaluate-rounds": 1}), "--stream"])
     _wait(lambda: (pause / "round-1").exists() or submit.poll() is not None, 300,
           "round 1 of the run")
     assert submit.poll() is None, procs.tails()
@@ -620,7 +628,7 @@ def test_a_restarted_supernode_reloads_its_personal_layers_from_its_state_dir(pr
     assert submit.returncode == 0, procs.tails()
     print(f"deployment run: {time.monotonic() - started:.0f}s")
 
-    train = _check_the_run(json.loads(out.read_text()), nodes=2, rounds=3, evaluated=False)
+    train = _check_the_run(json.loads(out.read_text()), nodes=2, rounds=3, evaluated=1)
     assert node0 in {n for _, n in train}  # two node ids in all: the restarted one kept its id
     node1 = next(n for _, n in train if n != node0)
     assert train[1, node0]["head-out"] == pytest.approx(saved, rel=1e-12)

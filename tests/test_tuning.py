@@ -505,9 +505,9 @@ def test_a_deep_run_scores_its_held_back_rows_and_never_trains_on_them():
     assert int(greedy.users.train.counts.min()) == 2
 
 
-def write_deep(tmp_path):
+def write_deep(tmp_path, extra=""):
     path = tmp_path / "tune.toml"
-    path.write_text('algorithm = "deep-private-fedrep"\nnum-users = 100\nrounds = 2\n'
+    path.write_text('algorithm = "deep-private-fedrep"\nnum-users = 100\nrounds = 2\n' + extra +
                     'validation-samples-per-user = 3\n\n[tune]\nname = "deep"\nepsilon = 2.0\n'
                     'delta = 1e-5\nmethod = "compose-all"\nsearch = "grid"\n'
                     'score = "validation_error"\nseed = 0\n\n[tune.space]\n'
@@ -547,7 +547,7 @@ def test_a_flower_tuning_shares_one_superlink_and_holds_back_the_same_rows_on_ev
     tuning through Flower costs a SuperLink, a Ray head and a Flower run per candidate.)"""
     from fedpriv import launcher
 
-    spec = load_tune(write_deep(tmp_path))
+    spec = load_tune(write_deep(tmp_path, "users-per-node = 50\n"))  # two SuperNodes
     flower = run_tuning(spec, tmp_path / "flower", engine="flower", log=lambda _: None)
     local = run_tuning(spec, tmp_path / "local", log=lambda _: None)
     assert len(flower_sessions) == 1 and flower_sessions[0]._head is None  # one, stopped
@@ -556,10 +556,11 @@ def test_a_flower_tuning_shares_one_superlink_and_holds_back_the_same_rows_on_ev
         [r["score"] for r in local["candidates"]], rel=1e-9)
     assert [r["accuracy"] for r in flower["candidates"]] == pytest.approx(
         [r["accuracy"] for r in local["candidates"]], rel=1e-9)
+    winner = json.loads((tmp_path / "flower" / "winner.json").read_text())
+    assert winner["num_nodes"] == 2 and winner["runtime"] == "flower"
     assert flower["winner"]["candidate"] == local["winner"]["candidate"]
     # a candidate's own release file is not left behind (only the winner's is written)
     assert not list((tmp_path / "flower" / "candidates").glob("*.release.json"))
-    assert (tmp_path / "flower" / "winner.json").is_file()
 
 
 def test_a_compose_all_tuning_of_secure_noise_candidates_is_refused(tmp_path):
