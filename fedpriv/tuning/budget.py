@@ -131,9 +131,7 @@ def calibrate_tuning(spec: TuneSpec, composed: Sequence[int] = ()) -> Budget:
 
     eps_c = remembered("tuning-budget", _budget_inputs(spec, composed),
                        lambda: _search(spec, composed, final_at), check=maximal)
-    final = final_at(eps_c)
-    if final[0] > target * (1 + 1e-9):
-        raise InfeasiblePlanError(f"the calibrated tuning spends {final[0]} > {target}")
+    final = final_at(eps_c)  # within the target: checked by _search, or by maximal on read-back
     return Budget(eps_c, final[0], final[1], final[2], len(composed))
 
 
@@ -192,8 +190,9 @@ def _search(spec: TuneSpec, composed: Sequence[int],
             break
     # the search skipped the PLD confirmation of closed forms; the server's own calibration may
     # only add noise (it never overshoots), so the final multipliers spend at most the search's
-    if final_at(lo)[0] > target * (1 + 1e-9):  # an error: raised here, so never remembered
-        raise InfeasiblePlanError(f"the calibrated tuning spends {final_at(lo)[0]} > {target}")
+    spent = final_at(lo)[0]
+    if spent > target * (1 + 1e-9):  # an error: raised here, so never remembered
+        raise InfeasiblePlanError(f"the calibrated tuning spends {spent} > {target}")
     return lo
 
 
